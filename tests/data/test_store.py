@@ -1,0 +1,188 @@
+"""The artifact store, run identically against file:// and a real S3 endpoint (moto server)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from data import ArtifactNotFound, ArtifactStore, CorruptBlobError, RefConflict, StoreError, lineage
+
+
+def _make_dir(root: Path) -> Path:
+    (root / "sub").mkdir(parents=True)
+    (root / "config.json").write_text('{"a": 1}')
+    (root / "sub" / "weights.bin").write_bytes(os.urandom(300_000))
+    return root
+
+
+def _blob_count(store: ArtifactStore) -> int:
+    return len(store._find(f"{store.root}/blobs/"))
+
+
+def test_directory_round_trip_is_byte_identical(store: ArtifactStore, tmp_path: Path) -> None:
+    src = _make_dir(tmp_path / "src")
+    manifest = store.put("model", "tiny", src, params={"seed": 1}, metrics={"params": 10})
+
+    assert set(manifest.files) == {"config.json", "sub/weights.bin"}
+    assert store.resolve("model/tiny") == manifest.id
+    assert store.resolve(manifest.id[:10]) == manifest.id
+    out = store.get("model/tiny", tmp_path / "out")
+    for rel in ("config.json", "sub/weights.bin"):
+        assert (out / rel).read_bytes() == (src / rel).read_bytes()
+    again = store.manifest(manifest.id)
+    assert again == manifest and again.params == {"seed": 1} and again.code_version
+
+
+def test_identical_blobs_are_stored_once(store: ArtifactStore, tmp_path: Path) -> None:
+    payload = os.urandom(50_000)
+    store.put("dataset", "a", {"x.bin": payload})
+    blobs_after_first = _blob_count(store)
+    store.put("dataset", "b", {"y.bin": payload, "z.bin": payload})
+    assert _blob_count(store) == blobs_after_first
+    assert store.read_bytes("dataset/b", "z.bin") == payload
+
+
+def test_new_version_moves_name_ref_and_keeps_old(store: ArtifactStore) -> None:
+    first = store.put("dataset", "sft", {"data.jsonl": b"one\n"})
+    second = store.put("dataset", "sft", {"data.jsonl": b"two\n"})
+    assert store.resolve("dataset/sft") == second.id
+    assert store.read_bytes(first.id, "data.jsonl") == b"one\n"
+    assert [h["target"] for h in store.ref_history("dataset/sft")] == [first.id, second.id]
+
+
+def test_corrupted_blob_is_detected_and_destination_untouched(store: ArtifactStore, tmp_path: Path) -> None:
+    manifest = store.put("dataset", "c", {"data.jsonl": b'{"ok": true}\n' * 100})
+    digest = manifest.files["data.jsonl"].sha256
+    store.fs.pipe_file(store._blob_path(digest), b"tampered")
+    store.fs.invalidate_cache()
+
+    with pytest.raises(CorruptBlobError, match=digest):
+        store.get("dataset/c", tmp_path / "out")
+    assert not (tmp_path / "out" / "data.jsonl").exists()
+    with pytest.raises(CorruptBlobError, match="dataset/c:data.jsonl"):
+        store.read_bytes("dataset/c", "data.jsonl")
+    problems = store.verify()
+    assert len(problems) == 1 and digest in problems[0]
+
+
+def test_compare_and_swap_refuses_stale_expectation(store: ArtifactStore) -> None:
+    a = store.put("model", "m", {"w": b"a"})
+    b = store.put("model", "m", {"w": b"b"})
+    store.set_ref("champion", a.id, expected=None)
+    with pytest.raises(RefConflict, match="champion"):
+        store.set_ref("champion", b.id, expected=None)
+    store.set_ref("champion", b.id, expected=a.id)
+    with pytest.raises(RefConflict):
+        store.set_ref("champion", a.id, expected=a.id)  # Stale: it now points at b.
+    assert store.resolve("champion") == b.id
+
+
+_MOVER = textwrap.dedent(
+    """
+    import sys
+    from data import ArtifactStore
+    store = ArtifactStore(sys.argv[1])
+    for i in range(int(sys.argv[3])):
+        store.set_ref("champion", sys.argv[2])
+    """
+)
+
+
+def test_concurrent_ref_updates_from_two_processes_lose_nothing(store: ArtifactStore) -> None:
+    a = store.put("model", "m", {"w": b"a"})
+    b = store.put("model", "m", {"w": b"b"})
+    moves = 15
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _MOVER, store.url, target, str(moves)], env=os.environ.copy())
+        for target in (a.id, b.id)
+    ]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    history = [entry["target"] for entry in store.ref_history("champion")]
+    assert len(history) == 2 * moves
+    assert history.count(a.id) == moves and history.count(b.id) == moves
+
+
+_CRASHER = textwrap.dedent(
+    """
+    import os, sys
+    from data import ArtifactStore
+    from data.store import ArtifactStore as Cls
+    original = Cls._write_atomic
+    def crash_on_manifest(self, key, data, create_only=False):
+        if "/manifests/" in key:
+            os._exit(9)  # Power cut after the blobs, before the manifest.
+        return original(self, key, data, create_only)
+    Cls._write_atomic = crash_on_manifest
+    ArtifactStore(sys.argv[1]).put("dataset", "d", {"big.bin": os.urandom(100_000), "x": b"new"})
+    """
+)
+
+
+def test_crash_between_blob_and_manifest_leaves_no_dangling_ref(store: ArtifactStore) -> None:
+    before = store.put("dataset", "d", {"x": b"old"})
+    result = subprocess.run([sys.executable, "-c", _CRASHER, store.url], env=os.environ.copy())
+    assert result.returncode == 9
+    store.fs.invalidate_cache()
+    assert store.resolve("dataset/d") == before.id
+    assert store.read_bytes("dataset/d", "x") == b"old"
+    assert store.verify() == []
+    assert len(store.list()) == 1
+
+
+def test_lineage_of_a_three_level_chain(store: ArtifactStore) -> None:
+    dataset = store.put("dataset", "sft-r1", {"d.jsonl": b"1"})
+    checkpoint = store.put("checkpoint", "sft-r1", {"w": b"2"}, parents=[dataset.id])
+    report = store.put("eval", "r1", {"e.json": b"3"}, parents=["checkpoint/sft-r1"])
+    next_dataset = store.put("dataset", "sft-r2", {"d.jsonl": b"4"}, parents=[report.id, dataset.id])
+
+    tree = lineage(store, "dataset/sft-r2")
+    assert tree.manifest.id == next_dataset.id
+    eval_node, dataset_node = tree.parents
+    assert eval_node.manifest.id == report.id
+    assert eval_node.parents[0].manifest.id == checkpoint.id
+    assert eval_node.parents[0].parents[0].manifest.id == dataset.id
+    assert dataset_node.repeated and dataset_node.manifest.id == dataset.id
+    assert [m.kind for m in tree.walk()] == ["dataset", "eval", "checkpoint", "dataset", "dataset"]
+
+
+def test_bad_input_fails_clearly_and_writes_nothing(store: ArtifactStore, tmp_path: Path) -> None:
+    kept = store.put("dataset", "keep", {"x": b"1"})
+    with pytest.raises(ArtifactNotFound, match="unknown artifact ref 'nope'.*dataset/keep"):
+        store.manifest("nope")
+    with pytest.raises(ArtifactNotFound, match="no file 'missing'"):
+        store.read_bytes("dataset/keep", "missing")
+    with pytest.raises(ArtifactNotFound, match="unknown artifact ref 'ghost'"):
+        store.put("dataset", "child", {"x": b"2"}, parents=["ghost"])
+    with pytest.raises(StoreError, match="relative path"):
+        store.put("dataset", "escape", {"../evil": b"x"})
+    with pytest.raises(StoreError, match="invalid kind"):
+        store.put("bad kind", "x", {"x": b"1"})
+    with pytest.raises(StoreError, match="no such file"):
+        store.put("dataset", "x", tmp_path / "does-not-exist")
+    assert [m.id for m in store.list()] == [kept.id]
+    assert set(store.refs()) == {"dataset/keep"}
+
+
+def test_materialize_downloads_once(store: ArtifactStore, tmp_path: Path) -> None:
+    src = _make_dir(tmp_path / "src")
+    manifest = store.put("model", "cached", src)
+    first = store.materialize("model/cached", tmp_path / "cache")
+    assert first.name == manifest.id
+    marker = first / "config.json"
+    os.utime(marker, (0, 0))
+    assert store.materialize(manifest.id, tmp_path / "cache") == first
+    assert marker.stat().st_mtime == 0
+    assert hashlib.sha256((first / "sub/weights.bin").read_bytes()).hexdigest() == (
+        manifest.files["sub/weights.bin"].sha256
+    )
+
+
+def test_unsupported_url_is_rejected() -> None:
+    with pytest.raises(StoreError, match="unsupported store URL 'ftp://x'"):
+        ArtifactStore("ftp://x")
