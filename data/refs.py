@@ -136,7 +136,7 @@ def _is_precondition_failure(err: BaseException) -> bool:
 
 
 def update_ref(
-    backend: RefBackend, key: str, target: str, expected: str | None | Callable[[str | None], bool]
+    backend: RefBackend, key: str, target: str, expected: str | Callable[[str | None], bool] | None
 ) -> RefValue:
     """Move ref `key` to `target` if its current target satisfies `expected`; retry on races.
 

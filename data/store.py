@@ -134,7 +134,9 @@ class ArtifactStore:
                     shutil.copyfile(key, tmp)
                     digest = digest_future.result()
             else:
-                self._translate(lambda: self.fs.get_file(key, str(tmp)), missing=f"blob {entry.sha256} {label}")
+                self._translate(
+                    lambda: self.fs.get_file(key, str(tmp)), missing=f"blob {entry.sha256} {label}"
+                )
                 digest = _sha256_file(tmp, progress)
             if digest != entry.sha256:
                 raise CorruptBlobError(
@@ -167,7 +169,9 @@ class ArtifactStore:
         parent_ids = [self.resolve(parent) for parent in parents]
         files: dict[str, FileEntry] = {}
         for relpath, item in _iter_source(source):
-            files[relpath] = self.put_bytes(item) if isinstance(item, bytes) else self.put_file(item, progress)
+            files[relpath] = (
+                self.put_bytes(item) if isinstance(item, bytes) else self.put_file(item, progress)
+            )
         manifest = Manifest(
             kind=kind,
             name=name,
@@ -258,7 +262,7 @@ class ArtifactStore:
         known = ", ".join(sorted(self.refs())[:10]) or "none yet"
         raise ArtifactNotFound(f"unknown artifact ref '{ref}' in {self.url} (refs: {known})")
 
-    def set_ref(self, name: str, target: str, expected: str | None | object = ...) -> None:
+    def set_ref(self, name: str, target: str, expected: str | object | None = ...) -> None:
         """Point ref `name` at `target` (a ref or id). With `expected`, only if it currently points there.
 
         `expected=None` means the ref must not exist yet; leaving it out moves the ref
@@ -379,7 +383,9 @@ class ArtifactStore:
                 ) from err
             if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError"):
                 endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-                raise StoreError(f"cannot reach the S3 endpoint {endpoint or '(AWS default)'} for {self.url}") from err
+                raise StoreError(
+                    f"cannot reach the S3 endpoint {endpoint or '(AWS default)'} for {self.url}"
+                ) from err
             if isinstance(err, PermissionError):
                 raise StoreError(f"access denied to {self.url}: {err}") from err
             raise
@@ -425,4 +431,6 @@ def _check_name(value: str, what: str, allow_slash: bool = False) -> None:
         {"/"} if allow_slash else set()
     )
     if not value or set(value) - allowed or value.startswith(("/", ".")) or "//" in value or ".." in value:
-        raise StoreError(f"invalid {what} '{value}': use letters, digits, '-', '_', '.'" + (", '/'" if allow_slash else ""))
+        raise StoreError(
+            f"invalid {what} '{value}': use letters, digits, '-', '_', '.'" + (", '/'" if allow_slash else "")
+        )

@@ -65,7 +65,7 @@ def test_corrupted_blob_is_detected_and_destination_untouched(store: ArtifactSto
     with pytest.raises(CorruptBlobError, match=digest):
         store.get("dataset/c", tmp_path / "out")
     assert not (tmp_path / "out" / "data.jsonl").exists()
-    with pytest.raises(CorruptBlobError, match="dataset/c:data.jsonl"):
+    with pytest.raises(CorruptBlobError, match=r"dataset/c:data\.jsonl"):
         store.read_bytes("dataset/c", "data.jsonl")
     problems = store.verify()
     assert len(problems) == 1 and digest in problems[0]
@@ -153,7 +153,7 @@ def test_lineage_of_a_three_level_chain(store: ArtifactStore) -> None:
 
 def test_bad_input_fails_clearly_and_writes_nothing(store: ArtifactStore, tmp_path: Path) -> None:
     kept = store.put("dataset", "keep", {"x": b"1"})
-    with pytest.raises(ArtifactNotFound, match="unknown artifact ref 'nope'.*dataset/keep"):
+    with pytest.raises(ArtifactNotFound, match=r"unknown artifact ref 'nope'.*dataset/keep"):
         store.manifest("nope")
     with pytest.raises(ArtifactNotFound, match="no file 'missing'"):
         store.read_bytes("dataset/keep", "missing")
