@@ -1,0 +1,6 @@
+"""Serving models behind an OpenAI-compatible API: `transformers serve` on CPU, `vllm serve` on GPU."""
+
+from inference.client import chat
+from inference.server import ModelServer, ServerConfig, ServerError, build_command, wait_until_healthy
+
+__all__ = ["ModelServer", "ServerConfig", "ServerError", "build_command", "chat", "wait_until_healthy"]
