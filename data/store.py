@@ -361,8 +361,9 @@ class ArtifactStore:
 
     def _check_bucket(self) -> None:
         bucket = self.root.split("/", 1)[0]
-        if not self._translate(lambda: self.fs.exists(bucket)):
-            raise StoreError(f"S3 bucket '{bucket}' of store {self.url} does not exist or is not visible")
+        self._translate(
+            lambda: self.fs.call_s3("head_bucket", Bucket=bucket), missing=f"S3 bucket '{bucket}' of store"
+        )
 
     def _translate(self, call: Callable[[], Any], missing: str | None = None) -> Any:
         """Run an fsspec call, turning transport and credential failures into one-line StoreErrors."""

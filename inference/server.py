@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import logging
 import os
 import shutil
@@ -23,7 +24,7 @@ from types import TracebackType
 from typing import Literal
 
 import httpx
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,17 @@ class ServerConfig(BaseModel):
         default="hermes", description="vLLM: parser for auto tool choice; None disables tool calling."
     )
     enable_prefix_caching: bool = Field(default=True, description="vLLM: reuse shared prompt prefixes.")
+
+    @classmethod
+    def checked(cls, **fields: object) -> ServerConfig:
+        """Validate, turning every field error into one ServerError line."""
+        try:
+            return cls.model_validate(fields)
+        except ValidationError as err:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in err.errors()
+            )
+            raise ServerError(f"invalid server config: {problems}") from err
 
     @model_validator(mode="after")
     def _check_model_dir(self) -> ServerConfig:
@@ -129,7 +141,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def wait_until_healthy(
-    base_url: str, timeout_s: float, process: subprocess.Popen[bytes] | None = None, api_key: str | None = None
+    base_url: str,
+    timeout_s: float,
+    process: subprocess.Popen[bytes] | None = None,
+    api_key: str | None = None,
 ) -> str:
     """Poll `GET {base_url}/models` until it answers; return the first served model id.
 
@@ -245,10 +260,8 @@ class ModelServer:
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(os.getpgid(pid), sig)
-    except ProcessLookupError:
-        pass
 
 
 def _find_executable(name: str) -> str:
@@ -258,7 +271,9 @@ def _find_executable(name: str) -> str:
         return str(beside)
     found = shutil.which(name)
     if found is None:
-        hint = "pip install 'flywheel[gpu]' on a CUDA machine" if name == "vllm" else "pip install transformers"
+        hint = (
+            "pip install 'flywheel[gpu]' on a CUDA machine" if name == "vllm" else "pip install transformers"
+        )
         raise ServerError(f"'{name}' is not installed: {hint}")
     return found
 

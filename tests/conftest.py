@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +63,22 @@ def store_url(request: pytest.FixtureRequest, tmp_path) -> str:
 @pytest.fixture
 def store(store_url: str) -> ArtifactStore:
     return ArtifactStore(store_url)
+
+
+@pytest.fixture(scope="session")
+def model_store(tmp_path_factory: pytest.TempPathFactory) -> ArtifactStore:
+    """One local store per test session that holds the prepared built-in models."""
+    return ArtifactStore(tmp_path_factory.mktemp("model-store"))
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("model-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_store: ArtifactStore, model_cache: Path) -> Path:
+    """The tiny random Llama (SmolLM2 tokenizer), as a local HF directory."""
+    from training.models import resolve_model
+
+    return resolve_model("tiny", model_store, model_cache)

@@ -22,6 +22,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,9 @@ def resolve_model(spec: str, store: ArtifactStore, cache_dir: Path | None = None
     return _from_hf_cache(spec)
 
 
-def prepare_model(name: str, store: ArtifactStore, force: bool = False) -> Manifest:
+def prepare_model(
+    name: str, store: ArtifactStore, force: bool = False, progress: Callable[[int], None] | None = None
+) -> Manifest:
     """The store artifact `model/<name>` for a built-in model, building it if missing or stale."""
     if name not in BUILTIN_MODELS:
         raise ModelError(f"unknown built-in model '{name}': choose one of {', '.join(BUILTIN_MODELS)}")
@@ -96,6 +99,7 @@ def prepare_model(name: str, store: ArtifactStore, force: bool = False) -> Manif
             name,
             Path(tmp),
             params=params,
+            progress=progress,
             metrics={"num_parameters": num_params, "build_seconds": round(time.perf_counter() - started, 1)},
         )
     logger.info(

@@ -1,0 +1,241 @@
+"""The `flywheel` command line: models, serving and the artifact store.
+
+Every user-facing failure (unknown ref, bad URL, missing credentials, unreachable endpoint) ends
+as one `error: ...` line and exit code 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Annotated
+
+import click
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.table import Table
+from rich.tree import Tree
+
+from data import ArtifactStore, LineageNode, StoreError, lineage
+from inference import ModelServer, ServerConfig, ServerError, build_command, chat
+from training import BUILTIN_MODELS, ModelError, prepare_model, resolve_model
+
+app = typer.Typer(help="A data flywheel for tool-using LLM agents.", no_args_is_help=True)
+model_app = typer.Typer(help="Prepare built-in models.", no_args_is_help=True)
+artifacts_app = typer.Typer(help="Inspect the artifact store.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+app.add_typer(artifacts_app, name="artifacts")
+
+console = Console()
+err_console = Console(stderr=True)
+USER_ERRORS = (StoreError, ServerError, ModelError)
+
+
+class _State:
+    store_url: str | None = None
+
+    @property
+    def store(self) -> ArtifactStore:
+        return ArtifactStore(self.store_url)
+
+
+state = _State()
+
+
+@app.callback()
+def _root(
+    store: Annotated[
+        str | None,
+        typer.Option(
+            "--store", envvar="FLYWHEEL_STORE", help="Store URL: a path, file://PATH or s3://BUCKET/PREFIX."
+        ),
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+) -> None:
+    state.store_url = store
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(message)s",
+        handlers=[RichHandler(console=err_console, show_path=False)],
+    )
+    for noisy in ("httpx", "botocore", "aiobotocore", "s3fs"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def _byte_progress(description: str, total: int | None = None) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar fed with byte counts (hashing and copying report as they go)."""
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    with Progress(*columns, console=err_console, transient=True) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda n: progress.advance(task, n)
+
+
+# -- models ------------------------------------------------------------------------------------
+
+
+@model_app.command("prepare")
+def model_prepare(
+    name: Annotated[str, typer.Argument(help=f"Built-in model: {' | '.join(BUILTIN_MODELS)}.")],
+    force: Annotated[bool, typer.Option(help="Rebuild even if the store has it.")] = False,
+) -> None:
+    """Build a built-in model once and keep it in the store as `model/NAME`."""
+    store = state.store
+    with _byte_progress(f"storing model/{name}") as progress:
+        manifest = prepare_model(name, store, force=force, progress=progress)
+    path = resolve_model(name, store)
+    console.print(f"model/{name} = {manifest.id[:12]} ({manifest.size / 1e6:.0f} MB) at {path}")
+
+
+# -- serving -----------------------------------------------------------------------------------
+
+
+def _server_config(model: str, backend: str, host: str, port: int, tensor_parallel_size: int) -> ServerConfig:
+    return ServerConfig.checked(
+        model=str(resolve_model(model, state.store)),
+        served_model_name=model if model in BUILTIN_MODELS else None,
+        backend=backend,
+        host=host,
+        port=port,
+        tensor_parallel_size=tensor_parallel_size,
+    )
+
+
+BackendOption = Annotated[str, typer.Option(help="transformers (CPU) or vllm (GPU).")]
+
+
+@app.command()
+def serve(
+    model: Annotated[str, typer.Argument(help="smollm2 | tiny | store ref | local dir | cached HF id.")],
+    backend: BackendOption = "transformers",
+    host: Annotated[str, typer.Option(help="Listen address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Listen port (0: any free port).")] = 8000,
+    tensor_parallel_size: Annotated[int, typer.Option(help="vLLM: GPUs per replica.")] = 1,
+    dry_run: Annotated[bool, typer.Option(help="Print the server command and exit.")] = False,
+) -> None:
+    """Serve a model behind an OpenAI-compatible API until interrupted."""
+    config = _server_config(model, backend, host, port, tensor_parallel_size)
+    if dry_run:
+        console.print(" ".join(build_command(config, config.port)), soft_wrap=True, highlight=False)
+        return
+    with ModelServer(config) as server:
+        console.print(f"serving [bold]{server.model_name}[/] at [bold]{server.base_url}[/] (Ctrl-C stops)")
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        with contextlib.suppress(KeyboardInterrupt):
+            assert server.process is not None
+            server.process.wait()
+
+
+@app.command("chat")
+def chat_once(
+    model: Annotated[str, typer.Argument(help="smollm2 | tiny | store ref | local dir | cached HF id.")],
+    prompt: Annotated[str, typer.Argument(help="The user message.")],
+    system: Annotated[str, typer.Option(help="System message.")] = "You are a helpful assistant.",
+    max_tokens: Annotated[int, typer.Option(help="Reply length cap.")] = 64,
+    backend: BackendOption = "transformers",
+) -> None:
+    """Start a server for MODEL, send one chat round-trip (greedy), print the reply, stop."""
+    config = _server_config(model, backend, "127.0.0.1", 0, 1)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+    with ModelServer(config) as server:
+        assert server.model_name is not None
+        reply = chat(server.base_url, server.model_name, messages, temperature=0.0, max_tokens=max_tokens)
+    console.print(f"[bold]user:[/] {prompt}\n[bold]assistant:[/] {reply}")
+
+
+# -- artifacts ---------------------------------------------------------------------------------
+
+
+@artifacts_app.command("ls")
+def artifacts_ls(kind: Annotated[str | None, typer.Argument(help="Only this kind.")] = None) -> None:
+    """List artifacts, oldest first, with the refs that point at them."""
+    store = state.store
+    by_target: dict[str, list[str]] = {}
+    for name, target in store.refs().items():
+        by_target.setdefault(target, []).append(name)
+    table = Table("id", "kind", "name", "files", "size", "created", "refs")
+    for manifest in store.list(kind):
+        table.add_row(
+            manifest.id[:12],
+            manifest.kind,
+            manifest.name,
+            str(len(manifest.files)),
+            f"{manifest.size / 1e6:.1f} MB",
+            manifest.created,
+            ", ".join(sorted(by_target.get(manifest.id, []))),
+        )
+    console.print(table)
+
+
+@artifacts_app.command("show")
+def artifacts_show(ref: Annotated[str, typer.Argument(help="Ref, kind/name, id or id prefix.")]) -> None:
+    """Print an artifact's manifest as JSON."""
+    manifest = state.store.manifest(ref)
+    console.print_json(json.dumps({"id": manifest.id, **manifest.model_dump(mode="json")}))
+
+
+@artifacts_app.command("lineage")
+def artifacts_lineage(ref: Annotated[str, typer.Argument(help="Ref, kind/name, id or id prefix.")]) -> None:
+    """Print the tree of artifacts REF was made from."""
+
+    def add(tree: Tree, node: LineageNode) -> None:
+        m = node.manifest
+        branch = tree.add(
+            f"{m.kind}/{m.name} [dim]{m.id[:12]} {m.created}[/]" + (" (above)" if node.repeated else "")
+        )
+        for parent in node.parents:
+            add(branch, parent)
+
+    root = lineage(state.store, ref)
+    tree = Tree(f"[bold]{root.manifest.kind}/{root.manifest.name}[/] [dim]{root.manifest.id[:12]}[/]")
+    for parent in root.parents:
+        add(tree, parent)
+    console.print(tree)
+
+
+@artifacts_app.command("get")
+def artifacts_get(
+    ref: Annotated[str, typer.Argument(help="Ref, kind/name, id or id prefix.")],
+    dest: Annotated[Path, typer.Argument(help="Directory to write the files into.")],
+) -> None:
+    """Copy an artifact's files to DEST, verifying every blob."""
+    store = state.store
+    manifest = store.manifest(ref)
+    with _byte_progress(f"get {manifest.kind}/{manifest.name}", total=manifest.size) as progress:
+        store.get(manifest.id, dest, progress=progress)
+    console.print(f"{len(manifest.files)} files ({manifest.size / 1e6:.1f} MB) -> {dest}")
+
+
+@artifacts_app.command("verify")
+def artifacts_verify() -> None:
+    """Check every manifest, blob and ref; exit 1 if anything is missing or corrupted."""
+    problems = state.store.verify()
+    for problem in problems:
+        err_console.print(f"[red]problem:[/] {problem}")
+    if problems:
+        raise typer.Exit(1)
+    console.print("store OK")
+
+
+def main() -> None:
+    """Entry point: run the app, turning user errors into one line and exit code 1."""
+    try:
+        app(standalone_mode=False)
+    except USER_ERRORS as err:
+        err_console.print(f"[red]error:[/] {err}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except click.exceptions.Exit as done:
+        sys.exit(done.exit_code)
+    except click.exceptions.Abort:
+        err_console.print("aborted")
+        sys.exit(130)
+    except click.ClickException as err:
+        err.show()
+        sys.exit(err.exit_code)

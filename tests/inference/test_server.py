@@ -1,0 +1,97 @@
+"""The model server: command lines (pure, both backends) and a real `transformers serve` process."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from inference import ModelServer, ServerConfig, ServerError, build_command, chat
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+def test_vllm_command_carries_gpu_and_tool_flags(tiny_model: Path) -> None:
+    config = ServerConfig(
+        model=str(tiny_model),
+        backend="vllm",
+        served_model_name="tiny",
+        tensor_parallel_size=8,
+        max_model_len=4096,
+        gpu_memory_utilization=0.85,
+        dtype="bfloat16",
+    )
+    command = build_command(config, 9000)
+    assert command[:3] == ["vllm", "serve", str(tiny_model)]
+    joined = " ".join(command)
+    for flag in (
+        "--port 9000",
+        "--served-model-name tiny",
+        "--tensor-parallel-size 8",
+        "--max-model-len 4096",
+        "--gpu-memory-utilization 0.85",
+        "--dtype bfloat16",
+        "--enable-auto-tool-choice --tool-call-parser hermes",
+        "--enable-prefix-caching",
+    ):
+        assert flag in joined
+    no_tools = build_command(config.model_copy(update={"tool_call_parser": None}), 9000)
+    assert "--enable-auto-tool-choice" not in no_tools
+
+
+def test_transformers_command_caps_kv_cache(tiny_model: Path) -> None:
+    command = build_command(ServerConfig(model=str(tiny_model)), 8123)
+    assert command[:3] == ["transformers", "serve", str(tiny_model)]
+    assert "--continuous-batching" in command
+    assert command[command.index("--cb-max-memory-percent") + 1] == "0.2"
+    assert command[command.index("--device") + 1] == "cpu"
+    plain = build_command(ServerConfig(model=str(tiny_model), continuous_batching=False), 8123)
+    assert "--continuous-batching" not in plain
+
+
+def test_bad_config_is_one_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ServerError, match="has no config.json"):
+        ServerConfig.checked(model=str(tmp_path))
+    with pytest.raises(ServerError, match="gpu_memory_utilization"):
+        ServerConfig.checked(model=str(tmp_path), gpu_memory_utilization=2.0)
+
+
+def test_real_server_answers_and_its_process_group_is_killed(tiny_model: Path) -> None:
+    server = ModelServer(ServerConfig(model=str(tiny_model), continuous_batching=False))
+    with server:
+        assert server.model_name == str(tiny_model)
+        reply = chat(
+            server.base_url,
+            server.model_name,
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+            max_tokens=5,
+            temperature=0.0,
+        )
+        assert isinstance(reply, str) and reply
+        pid = server.process.pid
+        assert _pid_alive(pid)
+    assert not _pid_alive(pid)
+    assert "Uvicorn running" in server.log_tail or "Application startup complete" in server.log_tail
+
+
+def test_server_that_dies_at_startup_fails_fast(tiny_model: Path) -> None:
+    config = ServerConfig(model=str(tiny_model), extra_args=["--no-such-flag"], startup_timeout_s=120)
+    server = ModelServer(config)
+    with pytest.raises(ServerError, match="exited with code"):
+        server.start()
+    assert server.process.poll() is not None
+    assert "no-such-flag" in server.log_tail or "No such option" in server.log_tail
+
+
+def test_startup_timeout_kills_the_server(tiny_model: Path) -> None:
+    server = ModelServer(ServerConfig(model=str(tiny_model), startup_timeout_s=0.3))
+    with pytest.raises(ServerError, match="did not become healthy"):
+        server.start()
+    assert server.process.poll() is not None
