@@ -15,7 +15,7 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return not Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 def test_vllm_command_carries_gpu_and_tool_flags(tiny_model: Path) -> None:
