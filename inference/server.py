@@ -256,7 +256,9 @@ class ModelServer:
             line = raw.decode(errors="replace").rstrip()
             if line:
                 self._tail.append(line)
-                logger.debug("[server] %s", line)
+                # Per-request access lines would flood the run log; everything else streams.
+                level = logging.DEBUG if '" 200' in line and "HTTP/1.1" in line else logging.INFO
+                logger.log(level, "[%s] %s", self.config.backend, line)
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
