@@ -1,0 +1,21 @@
+"""Errors of an agent rollout. Only `InfraError` stops a rollout; the others go back to the model."""
+
+
+class AgentError(Exception):
+    """Base class for everything that can go wrong inside a rollout."""
+
+
+class ToolParseError(AgentError):
+    """The model's text looked like a tool call but could not be parsed."""
+
+
+class ToolCallError(AgentError):
+    """A parsed tool call names an unknown tool or has bad arguments, or the tool failed."""
+
+
+class SandboxViolation(ToolCallError):
+    """The agent tried to leave its workspace (path escape, symlink out)."""
+
+
+class InfraError(AgentError):
+    """Inference or sandbox infrastructure failed: the rollout is excluded, never scored 0."""
