@@ -20,6 +20,7 @@ import resource
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -27,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
@@ -36,8 +37,10 @@ from environments.errors import InfraError, SandboxViolation
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWNET = 0x40000000
 _MS_REC = 16384
+_MS_BIND = 4096
 _MS_PRIVATE = 1 << 18
 _UID_BASE = 200_000
+_SCRATCH = ("/tmp", "/var/tmp", "/dev/shm")
 _uid_counter = itertools.count()
 _uid_lock = threading.Lock()
 
@@ -86,10 +89,12 @@ class Sandbox(Protocol):
 
 
 def default_sandbox_root() -> Path:
-    """Outside /tmp (the isolated sandbox gets a private /tmp): `$FLYWHEEL_SANDBOX_ROOT` or a cache dir."""
+    """`$FLYWHEEL_SANDBOX_ROOT`, else a folder outside /tmp and /root (both are hidden from the agent)."""
     configured = os.environ.get("FLYWHEEL_SANDBOX_ROOT")
     if configured:
         return Path(configured)
+    if os.geteuid() == 0:
+        return Path("/var/lib/flywheel/sandboxes")
     return Path.home() / ".cache" / "flywheel" / "sandboxes"
 
 
@@ -136,6 +141,7 @@ class LocalSandbox:
             os.chown(self.workspace, self.uid, self.uid)
             os.chmod(self.workspace, 0o700)
         self._closed = False
+        self._hides = _plan_hides(self.workspace) if self.isolated else []
 
     # -- commands ---------------------------------------------------------------------------------
 
@@ -182,9 +188,8 @@ class LocalSandbox:
             _unshare(_CLONE_NEWNS | _CLONE_NEWNET)
             libc = ctypes.CDLL(None, use_errno=True)
             libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None)
-            for tmp in (b"/tmp", b"/var/tmp", b"/dev/shm"):
-                if os.path.isdir(tmp):
-                    libc.mount(b"tmpfs", tmp, b"tmpfs", 0, f"size={limits.tmpfs_size}".encode())
+            for hidden, keep in self._hides:
+                _hide(libc, hidden, keep, limits.tmpfs_size)
         resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits.max_file_bytes, limits.max_file_bytes))
         resource.setrlimit(resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files))
@@ -263,6 +268,38 @@ class LocalSandbox:
         if self.isolated:
             _kill_uid(self.uid)
         shutil.rmtree(self.workspace, ignore_errors=True)
+
+
+def _plan_hides(workspace: Path) -> list[tuple[str, list[str]]]:
+    """Folders to cover with a private tmpfs, each with the paths to bind back inside it.
+
+    The scratch folders (/tmp, /var/tmp, /dev/shm) become private. A folder the task uid cannot
+    traverse on the way to the Python interpreter (e.g. /root holding pyenv) is replaced by one
+    that exposes only the interpreter; the rest of it stays invisible to the agent.
+    """
+    needed = [Path(p).resolve() for p in {sys.prefix, sys.base_prefix}] + [workspace]
+    hides: dict[str, list[str]] = {d: [] for d in _SCRATCH if os.path.isdir(d)}
+    for path in needed[:2]:
+        for ancestor in reversed(path.parents):
+            if ancestor != Path("/") and not os.stat(ancestor).st_mode & stat.S_IXOTH:
+                hides.setdefault(str(ancestor), [])
+                break
+    for folder, keep in hides.items():
+        keep.extend(str(p) for p in needed if Path(folder) in p.parents)
+    return list(hides.items())
+
+
+def _hide(libc: Any, folder: str, keep: list[str], size: str) -> None:
+    """Mount a private tmpfs over `folder`, then bind `keep` (paths inside it) back in place."""
+    fds = [os.open(path, os.O_PATH | os.O_DIRECTORY) for path in keep]
+    mode = "1777" if folder in _SCRATCH else "0755"
+    if libc.mount(b"tmpfs", folder.encode(), b"tmpfs", 0, f"size={size},mode={mode}".encode()) != 0:
+        raise OSError(ctypes.get_errno(), f"cannot mount a private {folder}")
+    for path, fd in zip(keep, fds, strict=True):
+        os.makedirs(path, exist_ok=True)
+        if libc.mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, _MS_BIND | _MS_REC, None) != 0:
+            raise OSError(ctypes.get_errno(), f"cannot expose {path} in the sandbox")
+        os.close(fd)
 
 
 def _collect(process: subprocess.Popen[bytes], timeout: float, cap: int) -> tuple[bytes, bool, bool]:

@@ -1,0 +1,421 @@
+"""`HermesAgentBaseEnv`: an atroposlib `BaseEnv` whose rollouts are multi-turn tool-using agents.
+
+The base owns the agent loop, tool resolution per group, the sandbox and its `ToolContext`,
+tokenisation for the trainer, and a concurrent, resumable `process` mode. A concrete env
+declares only `config_init`, `setup`, `get_next_item`, `format_prompt`, `compute_reward`,
+`evaluate` and `wandb_log`, and ends with `if __name__ == "__main__": Env.cli()`.
+
+atroposlib 0.4.0 quirks handled here (see DESIGN.md): `process` runs one group at a time and
+renames an existing output file; `apply_chat_template` returns a BatchEncoding under
+transformers 5 (we tokenise with `return_dict=False`); `process` forces wandb on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from pydantic import Field, field_validator
+
+from environments.agent_loop import AgentResult, HermesAgentLoop
+from environments.tool_call_parsers import PARSERS, get_parser
+from environments.tool_context import ToolContext
+from environments.tools import resolve_toolsets
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are an agent that completes tasks by calling tools. Call one tool at a time, read its "
+    "result, and continue until the task is done. When you are finished, reply with a short "
+    "final answer and no tool call."
+)
+Item = dict[str, Any]
+
+
+class HermesAgentEnvConfig(BaseEnvConfig):
+    """Config of an agent environment; CLI flags are `--env.<field>`."""
+
+    # -- agent
+    enabled_toolsets: list[str] = Field(default=["terminal", "file"], description="Toolsets the agent may use.")
+    max_agent_turns: int = Field(default=12, ge=1, description="Model calls per rollout before it is cut off.")
+    agent_temperature: float = Field(default=1.0, ge=0, description="Sampling temperature for training rollouts.")
+    system_prompt: str | None = Field(default=DEFAULT_SYSTEM_PROMPT, description="System message of every rollout.")
+    tool_call_parser: str = Field(default="hermes", description="Parser for tool calls in raw model text.")
+    render_tools_in_system_prompt: bool = Field(
+        default=False, description="Describe tools in the system prompt (for templates that ignore tools=)."
+    )
+    extra_body: dict[str, Any] | None = Field(default=None, description="Extra fields sent with each request.")
+    teacher: Literal["server", "oracle"] = Field(
+        default="server", description="Who acts: the inference server, or the env's oracle policy (teacher data)."
+    )
+
+    # -- sandbox
+    terminal_backend: Literal["local"] = Field(
+        default="local", description="Sandbox backend; `local` (namespaces + rlimits). docker/modal: plug in."
+    )
+    command_timeout_s: float = Field(default=30.0, gt=0, description="Wall-clock limit per sandbox command.")
+
+    # -- tasks
+    seed: int = Field(default=0, description="Seed of the training task stream.")
+    eval_seed: int = Field(default=1_000_000, description="Seed of the held-out evaluation tasks.")
+    eval_size: int = Field(default=20, ge=1, description="Held-out tasks per evaluation.")
+    difficulty: str | None = Field(default=None, description="Only this difficulty (None: the task mix decides).")
+    categories: list[str] | None = Field(default=None, description="Only these categories (None: all).")
+    task_mix: dict[str, float] | None = Field(
+        default=None, description="Sampling weights per 'category/difficulty' slice (from weakness mining)."
+    )
+
+    # -- throughput
+    process_concurrency: int = Field(default=16, ge=1, description="Groups in flight at once in `process` mode.")
+    eval_concurrency: int = Field(default=8, ge=1, description="Evaluation rollouts in flight at once.")
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_parser(cls, value: str) -> str:
+        if value not in PARSERS:
+            raise ValueError(f"unknown tool_call_parser '{value}'; known: {', '.join(sorted(PARSERS))}")
+        return value
+
+
+class HermesAgentBaseEnv(BaseEnv):
+    """Agent loop, tools, sandbox, tokenisation and a concurrent resumable `process` mode."""
+
+    name: str | None = None
+    env_config_cls = HermesAgentEnvConfig
+
+    def __init__(
+        self,
+        config: HermesAgentEnvConfig,
+        server_configs: Any,
+        slurm: bool = False,
+        testing: bool = False,
+    ) -> None:
+        # BaseEnv would rename an existing output (x_1.jsonl) and truncate it; we append and resume.
+        output = config.data_path_to_save_groups
+        config.data_path_to_save_groups = None
+        super().__init__(config, server_configs, slurm=slurm, testing=testing)
+        config.data_path_to_save_groups = output
+        self.config: HermesAgentEnvConfig = config
+        self._reward_buffer: list[float] = []
+        self._infra_failures = 0
+        self._rollouts = 0
+
+    # -- hooks a concrete env implements ---------------------------------------------------------
+
+    def format_prompt(self, item: Item) -> str:
+        """The user message for a task."""
+        raise NotImplementedError
+
+    async def compute_reward(self, item: Item, result: AgentResult, ctx: ToolContext) -> float:
+        """Score a finished rollout by inspecting the sandbox through `ctx`; in [0, 1]."""
+        raise NotImplementedError
+
+    def oracle_policy(self, item: Item) -> Any:
+        """A server-like policy that solves `item` (used with `teacher=oracle`)."""
+        from environments.policies import ScriptedPolicy
+
+        return ScriptedPolicy(item["oracle"], self.config.tool_call_parser)
+
+    def extra_tools(self) -> list[Any]:
+        """Tools beyond the named toolsets (an env's own, e.g. a browser)."""
+        return []
+
+    # -- rollouts --------------------------------------------------------------------------------
+
+    def _resolve_tools_for_group(self) -> tuple[list[dict[str, Any]], set[str]]:
+        """Tool schemas and names for one group (resolved once per group, as hermes-agent does)."""
+        tools = resolve_toolsets(self.config.enabled_toolsets) + self.extra_tools()
+        return [t.schema() for t in tools], {t.name for t in tools}
+
+    def build_messages(self, item: Item, tool_schemas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        system = self.config.system_prompt or ""
+        if self.config.render_tools_in_system_prompt and tool_schemas:
+            system = f"{system}\n\n{get_parser(self.config.tool_call_parser).render_tools_prompt(tool_schemas)}"
+        messages = [{"role": "system", "content": system}] if system else []
+        return [*messages, {"role": "user", "content": self.format_prompt(item)}]
+
+    async def run_agent(
+        self, item: Item, temperature: float, tools: tuple[list[dict[str, Any]], set[str]] | None = None
+    ) -> tuple[AgentResult, float | None]:
+        """One rollout in a fresh sandbox: set up, run the loop, score (None on infra failure), clean up."""
+        schemas, names = tools or self._resolve_tools_for_group()
+        task_id = f"{item.get('item_id', 'task')}-{uuid.uuid4().hex[:8]}"
+        ctx = ToolContext(task_id)
+        try:
+            await asyncio.to_thread(_prepare_workspace, ctx, item)
+            server = self.oracle_policy(item) if self.config.teacher == "oracle" else self.server
+            loop = HermesAgentLoop(
+                server=server,
+                tool_schemas=schemas,
+                valid_tool_names=names,
+                max_turns=self.config.max_agent_turns,
+                task_id=task_id,
+                temperature=temperature,
+                max_tokens=self.config.max_token_length,
+                extra_body=self.config.extra_body,
+                tool_call_parser=self.config.tool_call_parser,
+                tools=self.extra_tools(),
+            )
+            result = await loop.run(self.build_messages(item, schemas))
+            self._rollouts += 1
+            if result.infra_error is not None:
+                self._infra_failures += 1
+                return result, None
+            reward = float(min(1.0, max(0.0, await self.compute_reward(item, result, ctx))))
+            return result, reward
+        finally:
+            ctx.cleanup()
+
+    async def collect_trajectories(self, item: Item) -> tuple[ScoredDataGroup | None, list[Item]]:
+        """`group_size` concurrent rollouts of one item; infra failures are dropped, not scored 0."""
+        tools = self._resolve_tools_for_group()
+        outcomes = await asyncio.gather(
+            *(self.run_agent(item, self.config.agent_temperature, tools) for _ in range(self.config.group_size))
+        )
+        group = ScoredDataGroup(
+            tokens=[], masks=[], scores=[], messages=[], advantages=None, ref_logprobs=None,
+            group_overrides=None, overrides=None, images=None,
+        )  # fmt: skip
+        for result, reward in outcomes:
+            if reward is None:
+                continue
+            tokens, masks = self.tokenize_conversation(result.messages, tools[0])
+            group["tokens"].append(tokens)
+            group["masks"].append(masks)
+            group["scores"].append(reward)
+            group["messages"].append(result.messages)
+            self._reward_buffer.append(reward)
+        if not group["scores"]:
+            return None, []
+        if len(group["scores"]) < self.config.group_size:
+            group["group_overrides"] = {"group_size": len(group["scores"])}
+        group["meta"] = _meta(item, outcomes)  # type: ignore[typeddict-unknown-key]
+        return group, []
+
+    def tokenize_conversation(
+        self, messages: list[dict[str, Any]], tool_schemas: list[dict[str, Any]]
+    ) -> tuple[list[int], list[int]]:
+        """Token ids of the whole conversation and a mask that keeps only assistant tokens.
+
+        Assistant spans are found by rendering growing prefixes, which works for any chat template
+        whose rendering of a prefix is a prefix of the whole (ChatML, Llama 3, ...).
+        """
+
+        def render(part: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
+            ids = self.tokenizer.apply_chat_template(
+                part,
+                tools=tool_schemas or None,
+                tokenize=True,
+                add_generation_prompt=generation_prompt,
+                return_dict=False,
+            )
+            return list(ids)
+
+        tokens = render(messages, False)
+        masks = [-100] * len(tokens)
+        for index, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            start = len(render(messages[:index], True))
+            end = min(len(render(messages[: index + 1], False)), len(tokens))
+            masks[start:end] = tokens[start:end]
+        return tokens, masks
+
+    # -- evaluation ------------------------------------------------------------------------------
+
+    async def run_agentic_eval(self, items: list[Item]) -> dict[str, float]:
+        """Full agent loop at temperature 0 on `items`; writes metrics.json and samples.jsonl.
+
+        Training metric buffers are rolled back afterwards, so evaluation never pollutes them.
+        """
+        started = time.time()
+        buffer_mark = len(self._reward_buffer)
+        semaphore = asyncio.Semaphore(self.config.eval_concurrency)
+        tools = self._resolve_tools_for_group()
+
+        async def one(item: Item) -> dict[str, Any]:
+            async with semaphore:
+                result, reward = await self.run_agent(item, 0.0, tools)
+            return _eval_sample(item, result, reward)
+
+        samples = await asyncio.gather(*(one(item) for item in items))
+        del self._reward_buffer[buffer_mark:]
+        metrics = _eval_metrics(samples)
+        await self.evaluate_log(
+            metrics=metrics,
+            samples=samples,
+            start_time=started,
+            end_time=time.time(),
+            generation_parameters={"temperature": 0.0, "max_agent_turns": self.config.max_agent_turns},
+            verbose=False,
+        )
+        return metrics
+
+    async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
+        wandb_metrics = dict(wandb_metrics or {})
+        if self._reward_buffer:
+            wandb_metrics["train/mean_reward"] = sum(self._reward_buffer) / len(self._reward_buffer)
+            self._reward_buffer.clear()
+        if self._rollouts:
+            wandb_metrics["train/infra_failure_rate"] = self._infra_failures / self._rollouts
+        await super().wandb_log(wandb_metrics)
+
+    # -- process mode: concurrent, appending, resumable ------------------------------------------
+
+    async def process_manager(self) -> None:
+        """Generate `total_steps` groups with `process_concurrency` in flight, appending each as it ends.
+
+        Items already in the output file (by `item_id`) are skipped, so a killed run resumes.
+        """
+        await self.setup()
+        path = Path(self.config.data_path_to_save_groups or f"data/{self.name or 'groups'}.jsonl")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_torn_tail(path)
+        done = _written_item_ids(path)
+        items = [await self.get_next_item() for _ in range(self.n_groups_to_process)]
+        todo = [item for item in items if item.get("item_id") not in done]
+        logger.info("%s: %d groups to generate (%d already in %s)", self.name, len(todo), len(items) - len(todo), path)
+        started = time.perf_counter()
+        semaphore = asyncio.Semaphore(self.config.process_concurrency)
+        written = failed = 0
+        lock = asyncio.Lock()
+        with open(path, "a", encoding="utf-8") as out:
+
+            async def one(item: Item) -> None:
+                nonlocal written, failed
+                async with semaphore:
+                    try:
+                        group, _ = await self.collect_trajectories(item)
+                    except Exception:
+                        logger.exception("group for item %s failed", item.get("item_id"))
+                        group = None
+                async with lock:
+                    if group is None:
+                        failed += 1
+                        return
+                    out.write(json.dumps(group, ensure_ascii=False) + "\n")
+                    out.flush()
+                    written += 1
+
+            await asyncio.gather(*(one(item) for item in todo))
+        seconds = time.perf_counter() - started
+        stats = {
+            "groups_written": written,
+            "groups_failed": failed,
+            "groups_skipped_as_done": len(items) - len(todo),
+            "rollouts": self._rollouts,
+            "infra_failures": self._infra_failures,
+            "seconds": round(seconds, 2),
+            "groups_per_second": round(written / seconds, 3) if seconds else 0.0,
+        }
+        path.with_suffix(".stats.json").write_text(json.dumps(stats, indent=2))
+        logger.info("%s: wrote %d groups (%d failed) in %.1f s", self.name, written, failed, seconds)
+
+    @classmethod
+    def default_server_configs(cls) -> list[APIServerConfig]:
+        """An OpenAI-compatible server on localhost; override with `--openai.*`."""
+        return [
+            APIServerConfig(
+                model_name=os.environ.get("FLYWHEEL_MODEL_NAME", "smollm2"),
+                base_url=os.environ.get("FLYWHEEL_BASE_URL", "http://127.0.0.1:8000/v1"),
+                api_key=os.environ.get("FLYWHEEL_API_KEY", "local"),
+                server_type="openai",
+                health_check=False,
+                timeout=600,
+            )
+        ]
+
+
+def default_tokenizer() -> str:
+    """A local tokenizer dir (`FLYWHEEL_TOKENIZER`, set by the flows) or the hub id offline caches use."""
+    return os.environ.get("FLYWHEEL_TOKENIZER", "HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def _prepare_workspace(ctx: ToolContext, item: Item) -> None:
+    for path, content in (item.get("files") or {}).items():
+        ctx.write_file(path, content)
+    for command in item.get("setup_commands") or []:
+        outcome = ctx.terminal(command)
+        if outcome["exit_code"] != 0:
+            raise RuntimeError(f"setup command failed for {item.get('item_id')}: {command}: {outcome['output']}")
+
+
+def _meta(item: Item, outcomes: list[tuple[AgentResult, float | None]]) -> dict[str, Any]:
+    """Who the group is about, for curation and weakness mining."""
+    return {
+        "item_id": item.get("item_id"),
+        "env": item.get("env"),
+        "category": item.get("category"),
+        "difficulty": item.get("difficulty"),
+        "infra_failures": sum(1 for _, reward in outcomes if reward is None),
+        "turns_used": [r.turns_used for r, reward in outcomes if reward is not None],
+        "tool_errors": [len(r.tool_errors) for r, reward in outcomes if reward is not None],
+    }
+
+
+def _eval_sample(item: Item, result: AgentResult, reward: float | None) -> dict[str, Any]:
+    return {
+        "item_id": item.get("item_id"),
+        "env": item.get("env"),
+        "category": item.get("category"),
+        "difficulty": item.get("difficulty"),
+        "reward": reward,
+        "success": reward is not None and reward >= 0.999,
+        "infra_error": result.infra_error,
+        "turns_used": result.turns_used,
+        "finished_naturally": result.finished_naturally,
+        "tool_errors": [e.__dict__ for e in result.tool_errors],
+        "messages": result.messages,
+    }
+
+
+def _eval_metrics(samples: list[dict[str, Any]]) -> dict[str, float]:
+    scored = [s for s in samples if s["reward"] is not None]
+    n = len(scored) or 1
+    metrics = {
+        "eval/mean_reward": sum(s["reward"] for s in scored) / n,
+        "eval/success_rate": sum(s["success"] for s in scored) / n,
+        "eval/mean_turns": sum(s["turns_used"] for s in scored) / n,
+        "eval/tool_errors_per_rollout": sum(len(s["tool_errors"]) for s in scored) / n,
+        "eval/infra_failures": float(len(samples) - len(scored)),
+        "eval/n": float(len(samples)),
+    }
+    for key in sorted({s["category"] for s in scored if s["category"]}):
+        part = [s for s in scored if s["category"] == key]
+        metrics[f"eval/success_rate/{key}"] = sum(s["success"] for s in part) / len(part)
+    return metrics
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a partial last line left by a run killed mid-write, so appends start on a clean line."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        keep = data.rfind(b"\n") + 1
+        with open(path, "r+b") as handle:
+            handle.truncate(keep)
+        logger.warning("dropped a torn last line (%d bytes) from %s", len(data) - keep, path)
+
+
+def _written_item_ids(path: Path) -> set[str]:
+    """Item ids already in an output file."""
+    if not path.exists():
+        return set()
+    done = set()
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                meta = json.loads(line).get("meta") or {}
+            except json.JSONDecodeError:
+                continue
+            if meta.get("item_id"):
+                done.add(meta["item_id"])
+    return done

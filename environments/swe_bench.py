@@ -1,0 +1,153 @@
+"""SWEBenchEnv: fix an injected bug in a small generated repo; hidden tests decide.
+
+Also runs real SWE-bench-format instances: `--env.instances_path FILE.jsonl`, one JSON object per
+line with `instance_id`, `repo_path` (a local git checkout), `base_commit`, `problem_statement`,
+`test_patch`, `patch` (the oracle) and `FAIL_TO_PASS` / `PASS_TO_PASS` (pytest node ids).
+
+    python environments/swe_bench.py evaluate --env.eval_size 10 --env.tokenizer_name MODEL_DIR \
+        --env.data_dir_to_save_evals out/swe --openai.base_url http://127.0.0.1:8000/v1
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from environments.agent_loop import AgentResult
+from environments.hermes_base_env import HermesAgentBaseEnv, HermesAgentEnvConfig, default_tokenizer
+from environments.policies import call, final
+from environments.rewards import binary_reward
+from environments.task_stream import TaskStream
+from environments.tasks import swe_tasks as tasks
+from environments.tool_context import ToolContext
+
+# Our own ini file and rootdir, no conftest, isolated interpreter: nothing the agent wrote applies.
+_PYTEST = "python -I -m pytest -q -p no:cacheprovider --noconftest -c .verify/pytest.ini --rootdir=.verify"
+
+
+class SWEBenchEnvConfig(HermesAgentEnvConfig):
+    """Generated bug-fix tasks, or real SWE-bench-format instances from a JSONL file."""
+
+    max_agent_turns: int = 12
+    instances_path: str | None = Field(default=None, description="SWE-bench-format JSONL (replaces generated tasks).")
+
+
+class SWEBenchEnv(HermesAgentBaseEnv):
+    name = "swe_bench"
+    env_config_cls = SWEBenchEnvConfig
+    categories = tasks.CATEGORIES
+
+    @classmethod
+    def config_init(cls) -> tuple[SWEBenchEnvConfig, list[Any]]:
+        config = SWEBenchEnvConfig(tokenizer_name=default_tokenizer(), group_size=4, use_wandb=False)
+        return config, cls.default_server_configs()
+
+    async def setup(self) -> None:
+        cfg = self.config
+        if cfg.instances_path:
+            instances = load_instances(Path(cfg.instances_path))
+            self.stream = _ListStream(instances)
+            self.eval_items = instances[: cfg.eval_size]
+        else:
+            self.stream = TaskStream(
+                self.name, tasks.make_task, self.categories, cfg.seed, cfg.difficulty, cfg.categories, cfg.task_mix
+            )
+            self.eval_items = TaskStream(self.name, tasks.make_task, self.categories, cfg.eval_seed).items(
+                cfg.eval_size
+            )
+        self.index = 0
+
+    async def get_next_item(self) -> dict[str, Any]:
+        self.index += 1
+        return self.stream.item(self.index - 1)
+
+    def format_prompt(self, item: dict[str, Any]) -> str:
+        return item["prompt"]
+
+    async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
+        answer = item["answer"]
+        ctx.terminal("rm -rf .verify")
+        ctx.write_file(".verify/pytest.ini", "[pytest]\n")
+        if "test_patch" in answer:  # A real instance: apply the hidden tests, run the named ones.
+            ctx.write_file(".verify/test.patch", answer["test_patch"])
+            if ctx.terminal("git apply .verify/test.patch")["exit_code"] != 0:
+                return 0.0
+            node_ids = " ".join(shlex.quote(n) for n in answer["FAIL_TO_PASS"] + answer["PASS_TO_PASS"])
+            return binary_reward(ctx.terminal(f"{_PYTEST} {node_ids}", timeout=120)["exit_code"] == 0)
+        header = f"import sys\nsys.path.insert(0, {str(ctx.workspace)!r})\n"
+        ctx.write_file(".verify/test_hidden.py", header + answer["hidden_tests"])
+        outcome = ctx.terminal(f"{_PYTEST} .verify/test_hidden.py", timeout=120)
+        return binary_reward(outcome["exit_code"] == 0)
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> None:
+        await self.run_agentic_eval(self.eval_items)
+
+    async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
+        await super().wandb_log(wandb_metrics)
+
+
+class _ListStream:
+    def __init__(self, items: list[dict[str, Any]]) -> None:
+        self.items = items
+
+    def item(self, index: int) -> dict[str, Any]:
+        return self.items[index % len(self.items)]
+
+
+def load_instances(path: Path) -> list[dict[str, Any]]:
+    """SWE-bench-format JSONL -> task items whose files are the repo at `base_commit`."""
+    items = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+            repo = Path(raw["repo_path"])
+            archive = subprocess.run(
+                ["git", "-C", str(repo), "ls-tree", "-r", "--name-only", raw["base_commit"]],
+                capture_output=True, text=True, check=True,
+            ).stdout.split()  # fmt: skip
+            files = {
+                name: subprocess.run(
+                    ["git", "-C", str(repo), "show", f"{raw['base_commit']}:{name}"],
+                    capture_output=True, text=True, check=True,
+                ).stdout  # fmt: skip
+                for name in archive
+            }
+            fail_to_pass = _as_list(raw["FAIL_TO_PASS"])
+            pass_to_pass = _as_list(raw.get("PASS_TO_PASS", []))
+        except (KeyError, json.JSONDecodeError, subprocess.CalledProcessError, OSError) as err:
+            raise ValueError(f"{path}:{number}: not a usable SWE-bench instance ({err})") from err
+        items.append(
+            {
+                "item_id": raw["instance_id"],
+                "env": "swe_bench",
+                "category": "swe_bench_instance",
+                "difficulty": raw.get("difficulty", "hard"),
+                "prompt": f"{raw['problem_statement']}\n\nFix the issue in this repository.",
+                "files": files,
+                "setup_commands": ["git init -q && git add -A && git -c user.name=a -c user.email=a@b commit -qm base"],
+                "answer": {"test_patch": raw["test_patch"], "FAIL_TO_PASS": fail_to_pass, "PASS_TO_PASS": pass_to_pass},
+                "oracle": [
+                    call("write_file", path=".oracle.patch", content=raw["patch"]),
+                    call("terminal", command="git apply .oracle.patch && rm .oracle.patch"),
+                    final("Applied the fix."),
+                ],
+            }
+        )
+    if not items:
+        raise ValueError(f"{path}: no instances")
+    return items
+
+
+def _as_list(value: Any) -> list[str]:
+    return json.loads(value) if isinstance(value, str) else list(value)
+
+
+if __name__ == "__main__":
+    SWEBenchEnv.cli()

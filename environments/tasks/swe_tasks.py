@@ -1,0 +1,119 @@
+"""Task family for `SWEBenchEnv`: a small generated Python package with one injected bug.
+
+The agent sees the package, a visible test file and an issue text. The verifier copies hidden
+tests in after the episode and runs them with `python -I -m pytest --noconftest -c /dev/null`,
+so files the agent planted (conftest.py, pytest.ini, a shadowing pytest.py, deleted or edited
+visible tests) change nothing. Hidden tests cover every function, so gutting code fails too.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from environments.policies import call, final
+
+CATEGORIES = ("off_by_one", "wrong_operator", "wrong_condition")
+
+# name -> (correct source, {category: buggy source}, hidden test lines, issue example)
+_FUNCTIONS: dict[str, tuple[str, dict[str, str], list[str], str]] = {
+    "clamp": (
+        "def clamp(value, low, high):\n    return max(low, min(value, high))\n",
+        {
+            "wrong_operator": "def clamp(value, low, high):\n    return max(low, max(value, high))\n",
+            "wrong_condition": "def clamp(value, low, high):\n    return value if low < value else low\n",
+        },
+        ["assert clamp(15, 0, 10) == 10", "assert clamp(-3, 0, 10) == 0", "assert clamp(4, 0, 10) == 4"],
+        "`clamp(15, 0, 10)` returns 15, but it should return 10.",
+    ),
+    "count_up_to": (
+        "def count_up_to(n):\n    return list(range(1, n + 1))\n",
+        {"off_by_one": "def count_up_to(n):\n    return list(range(1, n))\n"},
+        ["assert count_up_to(3) == [1, 2, 3]", "assert count_up_to(0) == []", "assert count_up_to(1) == [1]"],
+        "`count_up_to(3)` returns [1, 2] but should return [1, 2, 3].",
+    ),
+    "last_n": (
+        "def last_n(items, n):\n    return items[len(items) - n:] if n > 0 else []\n",
+        {"off_by_one": "def last_n(items, n):\n    return items[len(items) - n + 1:] if n > 0 else []\n"},
+        ["assert last_n([1, 2, 3, 4], 2) == [3, 4]", "assert last_n([1], 0) == []", "assert last_n([5, 6], 2) == [5, 6]"],
+        "`last_n([1, 2, 3, 4], 2)` returns [4] instead of [3, 4].",
+    ),
+    "is_even": (
+        "def is_even(n):\n    return n % 2 == 0\n",
+        {
+            "wrong_operator": "def is_even(n):\n    return n % 2 == 1\n",
+            "wrong_condition": "def is_even(n):\n    return n % 2 != 0\n",
+        },
+        ["assert is_even(4) is True", "assert is_even(7) is False", "assert is_even(0) is True"],
+        "`is_even(4)` returns False.",
+    ),
+    "average": (
+        "def average(values):\n    return sum(values) / len(values) if values else 0.0\n",
+        {
+            "wrong_operator": "def average(values):\n    return sum(values) * len(values) if values else 0.0\n",
+            "off_by_one": "def average(values):\n    return sum(values) / (len(values) + 1) if values else 0.0\n",
+        },
+        ["assert average([2, 4]) == 3", "assert average([]) == 0.0", "assert average([5]) == 5"],
+        "`average([2, 4])` does not return 3.",
+    ),
+    "is_adult": (
+        "def is_adult(age):\n    return age >= 18\n",
+        {
+            "wrong_condition": "def is_adult(age):\n    return age > 18\n",
+            "off_by_one": "def is_adult(age):\n    return age >= 19\n",
+        },
+        ["assert is_adult(18) is True", "assert is_adult(17) is False", "assert is_adult(40) is True"],
+        "`is_adult(18)` returns False; an 18-year-old is an adult.",
+    ),
+    "word_count": (
+        "def word_count(text):\n    return len(text.split())\n",
+        {"off_by_one": "def word_count(text):\n    return len(text.split()) - 1\n"},
+        ["assert word_count('a b c') == 3", "assert word_count('') == 0", "assert word_count('one') == 1"],
+        "`word_count('a b c')` returns 2 instead of 3.",
+    ),
+}
+_PACKAGES = ("mathkit", "toolbelt", "numtools", "handy", "utilbox")
+
+
+def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, Any]:
+    buggy = rng.choice(sorted(n for n, spec in _FUNCTIONS.items() if category in spec[1]))
+    others = rng.sample(sorted(set(_FUNCTIONS) - {buggy}), {"easy": 1, "medium": 3, "hard": 5}[difficulty])
+    names = sorted([buggy, *others])
+    package = rng.choice(_PACKAGES)
+    # Hard tasks spread functions over two modules, so the agent has to find the right one.
+    modules = {name: ("core" if difficulty != "hard" or i % 2 == 0 else "extra") for i, name in enumerate(names)}
+
+    def module_source(module: str, fixed: bool) -> str:
+        parts = [
+            _FUNCTIONS[n][0] if fixed or n != buggy else _FUNCTIONS[n][1][category]
+            for n in names
+            if modules[n] == module
+        ]
+        return "\n\n".join(parts)
+
+    files = {f"{package}/__init__.py": ""}
+    for module in sorted(set(modules.values())):
+        files[f"{package}/{module}.py"] = module_source(module, fixed=False)
+    imports = "\n".join(f"from {package}.{modules[n]} import {n}" for n in names)
+    visible = [line for n in others for line in _FUNCTIONS[n][2][:1]]
+    files["tests/test_visible.py"] = f"{imports}\n\n\ndef test_examples():\n" + "".join(f"    {t}\n" for t in visible)
+    hidden = f"{imports}\n\n\n" + "".join(
+        f"def test_{n}():\n" + "".join(f"    {t}\n" for t in _FUNCTIONS[n][2]) + "\n" for n in names
+    )
+    buggy_path = f"{package}/{modules[buggy]}.py"
+    return {
+        "prompt": (
+            f"Bug report for the `{package}` package in this repository: {_FUNCTIONS[buggy][3]} "
+            "Fix the bug in the package's source (do not change the tests). You can run the tests with "
+            "`python -m pytest -q tests`."
+        ),
+        "files": files,
+        "answer": {"package": package, "hidden_tests": hidden, "buggy_file": buggy_path},
+        "oracle": [
+            call("list_files", path="."),
+            call("read_file", path=buggy_path),
+            call("write_file", path=buggy_path, content=module_source(modules[buggy], fixed=True)),
+            call("terminal", command=f"python -c 'from {package}.{modules[buggy]} import {buggy}; print({buggy})'"),
+            final(f"Fixed `{buggy}` in {buggy_path}."),
+        ],
+    }

@@ -1,0 +1,164 @@
+"""Task family for `ToolUseChainEnv`: multi-tool chores on a generated repository.
+
+Categories:
+- `todo_report`: collect every TODO comment of the Python files into a markdown table.
+- `line_count`: count the import lines of every Python file into counts.json.
+- `csv_summary`: total a CSV's amounts per region into summary.json.
+
+Each task carries its ground truth (`answer`, computed from the generated files, not from the
+workspace) and an `oracle` action list that solves it with the same tools the agent has.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+from environments.policies import call, final
+
+CATEGORIES = ("todo_report", "line_count", "csv_summary")
+_SIZE = {"easy": 3, "medium": 6, "hard": 10}
+_DIRS = ("src", "lib", "app", "app/core", "tools", "pkg/util")
+_WORDS = ("parser", "cache", "render", "client", "config", "storage", "metrics", "router", "auth", "queue")
+_VERBS = ("handle", "load", "save", "check", "build", "merge", "split", "format", "parse", "emit")
+_TODOS = (
+    "handle empty input",
+    "add retries",
+    "remove this hack",
+    "log the error",
+    "support unicode",
+    "cache the result",
+    "validate arguments",
+    "close the file",
+    "speed this up",
+    "write docs",
+)
+_IMPORTS = ("import os", "import sys", "import json", "from pathlib import Path", "import re", "from typing import Any")
+_REGIONS = ("north", "south", "east", "west", "central")
+
+
+def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, Any]:
+    files = _python_files(rng, _SIZE[difficulty], nested=difficulty != "easy")
+    if difficulty == "hard":  # Distractors the instructions exclude.
+        files["NOTES.txt"] = "TODO: not a python file\nimport os is not code here\n"
+    builder = {"todo_report": _todo_report, "line_count": _line_count, "csv_summary": _csv_summary}[category]
+    return builder(rng, files, difficulty)
+
+
+def _python_files(rng: random.Random, count: int, nested: bool) -> dict[str, str]:
+    files: dict[str, str] = {}
+    while len(files) < count:
+        folder = rng.choice(_DIRS if nested else _DIRS[:1])
+        path = f"{folder}/{rng.choice(_WORDS)}_{rng.randint(1, 99)}.py"
+        lines = rng.sample(_IMPORTS, rng.randint(0, 3)) + [""]
+        for _ in range(rng.randint(2, 4)):
+            name = f"{rng.choice(_VERBS)}_{rng.choice(_WORDS)}"
+            lines += [f"def {name}(value):", f'    """{name.replace("_", " ").capitalize()}."""']
+            if rng.random() < 0.45:
+                lines.append(f"    # TODO: {rng.choice(_TODOS)}")
+            lines += ["    return value", ""]
+        files[path] = "\n".join(lines)
+    if not any("# TODO:" in text for text in files.values()):  # Every task has at least one TODO.
+        path = sorted(files)[0]
+        files[path] = files[path].replace("    return value", f"    # TODO: {rng.choice(_TODOS)}\n    return value", 1)
+    return files
+
+
+def _read_all(files: dict[str, str]) -> list[dict[str, Any]]:
+    return [call("list_files", path=".")] + [call("read_file", path=p) for p in sorted(files)]
+
+
+def _todo_report(rng: random.Random, files: dict[str, str], difficulty: str) -> dict[str, Any]:
+    rows = [
+        [path, number, line.split("TODO:", 1)[1].strip()]
+        for path in sorted(p for p in files if p.endswith(".py"))
+        for number, line in enumerate(files[path].splitlines(), start=1)
+        if "# TODO:" in line
+    ]
+    table = "| file | line | todo |\n| --- | --- | --- |\n" + "".join(f"| {f} | {n} | {t} |\n" for f, n, t in rows)
+    return {
+        "prompt": (
+            "Collect every TODO comment in the Python (.py) files of this repository. Write report.md "
+            "containing one markdown table with the columns `file | line | todo`, one row per TODO, sorted "
+            "by file path and then line number. `todo` is the text after 'TODO:'; `line` is 1-based."
+        ),
+        "files": files,
+        "answer": {"rows": rows},
+        "oracle": [*_read_all(files), call("write_file", path="report.md", content=table), final("report.md is written.")],
+    }
+
+
+def _line_count(rng: random.Random, files: dict[str, str], difficulty: str) -> dict[str, Any]:
+    counts = {
+        path: sum(1 for line in text.splitlines() if line.startswith(("import ", "from ")))
+        for path, text in sorted(files.items())
+        if path.endswith(".py")
+    }
+    return {
+        "prompt": (
+            "For every Python (.py) file in this repository, count the lines that start with `import ` or "
+            "`from `. Write counts.json: a JSON object mapping each file path (relative to the repository "
+            "root) to its count."
+        ),
+        "files": files,
+        "answer": {"counts": counts},
+        "oracle": [
+            *_read_all(files),
+            call("terminal", command="grep -rc '^\\(import \\|from \\)' --include='*.py' . || true"),
+            call("write_file", path="counts.json", content=json.dumps(counts, indent=2)),
+            final("counts.json is written."),
+        ],
+    }
+
+
+def _csv_summary(rng: random.Random, files: dict[str, str], difficulty: str) -> dict[str, Any]:
+    regions = rng.sample(_REGIONS, {"easy": 2, "medium": 3, "hard": 5}[difficulty])
+    rows = []
+    for _ in range({"easy": 6, "medium": 15, "hard": 40}[difficulty]):
+        amount = round(rng.uniform(-20 if difficulty == "hard" else 1, 500), 2)
+        rows.append((rng.choice(regions), rng.choice(_WORDS), amount))
+    totals = {r: round(sum(a for reg, _, a in rows if reg == r), 2) for r in sorted({reg for reg, _, _ in rows})}
+    csv = "region,product,amount\n" + "".join(f"{r},{p},{a:.2f}\n" for r, p, a in rows)
+    files = {**files, "data/sales.csv": csv}
+    return {
+        "prompt": (
+            "data/sales.csv lists sales (region, product, amount; refunds are negative). Compute the total "
+            "amount per region and write summary.json as a JSON object {region: total}, totals rounded to "
+            "2 decimals."
+        ),
+        "files": files,
+        "answer": {"totals": totals},
+        "oracle": [
+            call("read_file", path="data/sales.csv"),
+            call("write_file", path="summary.json", content=json.dumps(totals, indent=2)),
+            final("summary.json is written."),
+        ],
+    }
+
+
+def verify(item: dict[str, Any], read: Any) -> bool:
+    """Check the produced file against the ground truth; `read(path)` returns text or raises."""
+    answer = item["answer"]
+    try:
+        if item["category"] == "todo_report":
+            return _table_rows(read("report.md")) == [[f, int(n), t] for f, n, t in answer["rows"]]
+        if item["category"] == "line_count":
+            return json.loads(read("counts.json")) == answer["counts"]
+        produced = json.loads(read("summary.json"))
+        return set(produced) == set(answer["totals"]) and all(
+            abs(float(produced[k]) - v) <= 0.011 for k, v in answer["totals"].items()
+        )
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return False
+
+
+def _table_rows(markdown: str) -> list[list[Any]]:
+    rows = []
+    for line in markdown.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not line.strip().startswith("|") or set(cells[1]) <= set("-: "):
+            continue
+        if cells[1].isdigit():
+            rows.append([cells[0], int(cells[1]), cells[2]])
+    return rows
