@@ -34,7 +34,9 @@ class SWEBenchEnvConfig(HermesAgentEnvConfig):
     """Generated bug-fix tasks, or real SWE-bench-format instances from a JSONL file."""
 
     max_agent_turns: int = 12
-    instances_path: str | None = Field(default=None, description="SWE-bench-format JSONL (replaces generated tasks).")
+    instances_path: str | None = Field(
+        default=None, description="SWE-bench-format JSONL (replaces generated tasks)."
+    )
 
 
 class SWEBenchEnv(HermesAgentBaseEnv):
@@ -55,7 +57,13 @@ class SWEBenchEnv(HermesAgentBaseEnv):
             self.eval_items = instances[: cfg.eval_size]
         else:
             self.stream = TaskStream(
-                self.name, tasks.make_task, self.categories, cfg.seed, cfg.difficulty, cfg.categories, cfg.task_mix
+                self.name,
+                tasks.make_task,
+                self.categories,
+                cfg.seed,
+                cfg.difficulty,
+                cfg.categories,
+                cfg.task_mix,
             )
             self.eval_items = TaskStream(self.name, tasks.make_task, self.categories, cfg.eval_seed).items(
                 cfg.eval_size
@@ -115,7 +123,9 @@ def load_instances(path: Path) -> list[dict[str, Any]]:
             files = {
                 name: subprocess.run(
                     ["git", "-C", str(repo), "show", f"{raw['base_commit']}:{name}"],
-                    capture_output=True, text=True, check=True,
+                    capture_output=True,
+                    text=True,
+                    check=True,
                 ).stdout  # fmt: skip
                 for name in archive
             }
@@ -131,8 +141,14 @@ def load_instances(path: Path) -> list[dict[str, Any]]:
                 "difficulty": raw.get("difficulty", "hard"),
                 "prompt": f"{raw['problem_statement']}\n\nFix the issue in this repository.",
                 "files": files,
-                "setup_commands": ["git init -q && git add -A && git -c user.name=a -c user.email=a@b commit -qm base"],
-                "answer": {"test_patch": raw["test_patch"], "FAIL_TO_PASS": fail_to_pass, "PASS_TO_PASS": pass_to_pass},
+                "setup_commands": [
+                    "git init -q && git add -A && git -c user.name=a -c user.email=a@b commit -qm base"
+                ],
+                "answer": {
+                    "test_patch": raw["test_patch"],
+                    "FAIL_TO_PASS": fail_to_pass,
+                    "PASS_TO_PASS": pass_to_pass,
+                },
                 "oracle": [
                     call("write_file", path=".oracle.patch", content=raw["patch"]),
                     call("terminal", command="git apply .oracle.patch && rm .oracle.patch"),

@@ -35,7 +35,11 @@ _FUNCTIONS: dict[str, tuple[str, dict[str, str], list[str], str]] = {
     "last_n": (
         "def last_n(items, n):\n    return items[len(items) - n:] if n > 0 else []\n",
         {"off_by_one": "def last_n(items, n):\n    return items[len(items) - n + 1:] if n > 0 else []\n"},
-        ["assert last_n([1, 2, 3, 4], 2) == [3, 4]", "assert last_n([1], 0) == []", "assert last_n([5, 6], 2) == [5, 6]"],
+        [
+            "assert last_n([1, 2, 3, 4], 2) == [3, 4]",
+            "assert last_n([1], 0) == []",
+            "assert last_n([5, 6], 2) == [5, 6]",
+        ],
         "`last_n([1, 2, 3, 4], 2)` returns [4] instead of [3, 4].",
     ),
     "is_even": (
@@ -81,7 +85,9 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
     names = sorted([buggy, *others])
     package = rng.choice(_PACKAGES)
     # Hard tasks spread functions over two modules, so the agent has to find the right one.
-    modules = {name: ("core" if difficulty != "hard" or i % 2 == 0 else "extra") for i, name in enumerate(names)}
+    modules = {
+        name: ("core" if difficulty != "hard" or i % 2 == 0 else "extra") for i, name in enumerate(names)
+    }
 
     def module_source(module: str, fixed: bool) -> str:
         parts = [
@@ -96,7 +102,9 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
         files[f"{package}/{module}.py"] = module_source(module, fixed=False)
     imports = "\n".join(f"from {package}.{modules[n]} import {n}" for n in names)
     visible = [line for n in others for line in _FUNCTIONS[n][2][:1]]
-    files["tests/test_visible.py"] = f"{imports}\n\n\ndef test_examples():\n" + "".join(f"    {t}\n" for t in visible)
+    files["tests/test_visible.py"] = f"{imports}\n\n\ndef test_examples():\n" + "".join(
+        f"    {t}\n" for t in visible
+    )
     hidden = f"{imports}\n\n\n" + "".join(
         f"def test_{n}():\n" + "".join(f"    {t}\n" for t in _FUNCTIONS[n][2]) + "\n" for n in names
     )
@@ -113,7 +121,10 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
             call("list_files", path="."),
             call("read_file", path=buggy_path),
             call("write_file", path=buggy_path, content=module_source(modules[buggy], fixed=True)),
-            call("terminal", command=f"python -c 'from {package}.{modules[buggy]} import {buggy}; print({buggy})'"),
+            call(
+                "terminal",
+                command=f"python -c 'from {package}.{modules[buggy]} import {buggy}; print({buggy})'",
+            ),
             final(f"Fixed `{buggy}` in {buggy_path}."),
         ],
     }

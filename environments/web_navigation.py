@@ -1,0 +1,87 @@
+"""WebNavigationEnv: browse a generated shop on 127.0.0.1 and answer from what the pages show.
+
+The env starts one `ShopSite` HTTP server in `setup()` and stops it in `teardown()`; the agent
+uses browser-like tools (open_url, follow_link, search, submit_form). The verifier checks the
+final answer against the shop's ground truth.
+
+    python environments/web_navigation.py process --env.total_steps 8 --env.tokenizer_name MODEL_DIR \
+        --env.data_path_to_save_groups out/web.jsonl --openai.base_url http://127.0.0.1:8000/v1
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from environments.agent_loop import AgentResult
+from environments.hermes_base_env import HermesAgentBaseEnv, HermesAgentEnvConfig, default_tokenizer
+from environments.policies import ScriptedPolicy
+from environments.rewards import binary_reward, final_answer
+from environments.task_stream import TaskStream
+from environments.tasks import web_tasks as tasks
+from environments.tool_context import ToolContext
+
+
+class WebNavigationEnvConfig(HermesAgentEnvConfig):
+    """Browser tools only; pages take a few turns each."""
+
+    enabled_toolsets: list[str] = []
+    max_agent_turns: int = 24
+
+
+class WebNavigationEnv(HermesAgentBaseEnv):
+    name = "web_navigation"
+    env_config_cls = WebNavigationEnvConfig
+    categories = tasks.CATEGORIES
+
+    @classmethod
+    def config_init(cls) -> tuple[WebNavigationEnvConfig, list[Any]]:
+        config = WebNavigationEnvConfig(tokenizer_name=default_tokenizer(), group_size=4, use_wandb=False)
+        return config, cls.default_server_configs()
+
+    async def setup(self) -> None:
+        cfg = self.config
+        self.site = tasks.ShopSite().start()
+        self.stream = TaskStream(
+            self.name,
+            tasks.make_task,
+            self.categories,
+            cfg.seed,
+            cfg.difficulty,
+            cfg.categories,
+            cfg.task_mix,
+        )
+        self.eval_items = TaskStream(self.name, tasks.make_task, self.categories, cfg.eval_seed).items(
+            cfg.eval_size
+        )
+        self.index = 0
+
+    async def teardown(self) -> None:
+        self.site.stop()
+
+    def extra_tools(self) -> list[Any]:
+        return tasks.WEB_TOOLS
+
+    async def get_next_item(self) -> dict[str, Any]:
+        self.index += 1
+        return self.stream.item(self.index - 1)
+
+    def format_prompt(self, item: dict[str, Any]) -> str:
+        return item["prompt"].replace("{site}", self.site.base_url)
+
+    def oracle_policy(self, item: dict[str, Any]) -> ScriptedPolicy:
+        actions = json.loads(json.dumps(item["oracle"]).replace("{site}", self.site.base_url))
+        return ScriptedPolicy(actions, self.config.tool_call_parser)
+
+    async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
+        return binary_reward(tasks.verify(item, final_answer(result.messages)))
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> None:
+        await self.run_agentic_eval(self.eval_items)
+
+    async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
+        await super().wandb_log(wandb_metrics)
+
+
+if __name__ == "__main__":
+    WebNavigationEnv.cli()
