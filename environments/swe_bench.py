@@ -126,7 +126,7 @@ def load_instances(path: Path) -> list[dict[str, Any]]:
                     capture_output=True,
                     text=True,
                     check=True,
-                ).stdout  # fmt: skip
+                ).stdout
                 for name in archive
             }
             fail_to_pass = _as_list(raw["FAIL_TO_PASS"])
@@ -159,6 +159,10 @@ def load_instances(path: Path) -> list[dict[str, Any]]:
     if not items:
         raise ValueError(f"{path}: no instances")
     return items
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
 
 
 def _as_list(value: Any) -> list[str]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pydantic import Field
+
 from environments.agent_loop import AgentResult
 from environments.hermes_base_env import HermesAgentBaseEnv, HermesAgentEnvConfig, default_tokenizer
 from environments.policies import ScriptedPolicy
@@ -25,7 +27,7 @@ from environments.tool_context import ToolContext
 class WebNavigationEnvConfig(HermesAgentEnvConfig):
     """Browser tools only; pages take a few turns each."""
 
-    enabled_toolsets: list[str] = []
+    enabled_toolsets: list[str] = Field(default_factory=list, description="No shell or file tools.")
     max_agent_turns: int = 24
 
 

@@ -34,7 +34,7 @@ _FUNCTIONS: dict[str, tuple[str, dict[str, str], list[str], str]] = {
     ),
     "last_n": (
         "def last_n(items, n):\n    return items[len(items) - n:] if n > 0 else []\n",
-        {"off_by_one": "def last_n(items, n):\n    return items[len(items) - n + 1:] if n > 0 else []\n"},
+        {"off_by_one": "def last_n(items, n):\n    return items[len(items) - n + 1 :] if n > 0 else []\n"},
         [
             "assert last_n([1, 2, 3, 4], 2) == [3, 4]",
             "assert last_n([1], 0) == []",
@@ -52,10 +52,10 @@ _FUNCTIONS: dict[str, tuple[str, dict[str, str], list[str], str]] = {
         "`is_even(4)` returns False.",
     ),
     "average": (
-        "def average(values):\n    return sum(values) / len(values) if values else 0.0\n",
+        "def average(xs):\n    return sum(xs) / len(xs) if xs else 0.0\n",
         {
-            "wrong_operator": "def average(values):\n    return sum(values) * len(values) if values else 0.0\n",
-            "off_by_one": "def average(values):\n    return sum(values) / (len(values) + 1) if values else 0.0\n",
+            "wrong_operator": "def average(xs):\n    return sum(xs) * len(xs) if xs else 0.0\n",
+            "off_by_one": "def average(xs):\n    return sum(xs) / (len(xs) + 1) if xs else 0.0\n",
         },
         ["assert average([2, 4]) == 3", "assert average([]) == 0.0", "assert average([5]) == 5"],
         "`average([2, 4])` does not return 3.",

@@ -58,7 +58,7 @@ def _python_files(rng: random.Random, count: int, nested: bool) -> dict[str, str
     while len(files) < count:
         folder = rng.choice(_DIRS if nested else _DIRS[:1])
         path = f"{folder}/{rng.choice(_WORDS)}_{rng.randint(1, 99)}.py"
-        lines = rng.sample(_IMPORTS, rng.randint(0, 3)) + [""]
+        lines = [*rng.sample(_IMPORTS, rng.randint(0, 3)), ""]
         for _ in range(rng.randint(2, 4)):
             name = f"{rng.choice(_VERBS)}_{rng.choice(_WORDS)}"
             lines += [f"def {name}(value):", f'    """{name.replace("_", " ").capitalize()}."""']
