@@ -94,9 +94,7 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
         )
         files["LICENSE"] = "MIT License\n"
     required = sorted(files)
-    extra = " Also add a console script `{n}` in pyproject ({n}.cli:main) and an MIT LICENSE file.".format(
-        n=name
-    )
+    extra = f" Also add a console script `{name}` in pyproject ({name}.cli:main) and an MIT LICENSE file."
     prompt = (
         f"Create a Python project named `{name}` in this empty folder: a package `{name}/` whose module "
         f"`{name}/core.py` defines `{function}` (it must satisfy: {checks[0]}); pyproject.toml with "
