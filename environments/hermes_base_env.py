@@ -107,11 +107,31 @@ class HermesAgentBaseEnv(BaseEnv):
 
     def __init__(
         self,
-        config: HermesAgentEnvConfig,
-        server_configs: Any,
+        config: HermesAgentEnvConfig | None = None,
+        server_configs: Any = None,
         slurm: bool = False,
         testing: bool = False,
+        *,
+        num_tasks: int | None = None,
+        difficulty: str | None = None,
+        max_steps: int | None = None,
+        **overrides: Any,
     ) -> None:
+        """Atroposlib's `(config, server_configs)`, or the seed's `Env(num_tasks=, difficulty=, max_steps=)`.
+
+        Without a config, `config_init()` supplies the defaults; keyword overrides are config fields.
+        """
+        if config is None:
+            config, default_servers = self.config_init()
+            fields = {
+                "total_steps": num_tasks,
+                "difficulty": difficulty,
+                "max_agent_turns": max_steps,
+                **overrides,
+            }
+            config = config.model_copy(update={k: v for k, v in fields.items() if v is not None})
+            config = type(config).model_validate(config.model_dump())
+            server_configs = server_configs or default_servers
         # BaseEnv would rename an existing output (x_1.jsonl) and truncate it; we append and resume.
         output = config.data_path_to_save_groups
         config.data_path_to_save_groups = None

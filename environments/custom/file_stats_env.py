@@ -1,0 +1,81 @@
+"""Example custom environment (a template to copy): count the lines of a generated file.
+
+    python environments/custom/file_stats_env.py process --env.total_steps 4 --env.group_size 2 \
+        --env.tokenizer_name MODEL_DIR --openai.base_url http://127.0.0.1:8000/v1
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from pydantic import Field
+
+from environments.agent_loop import AgentResult
+from environments.hermes_base_env import HermesAgentBaseEnv, HermesAgentEnvConfig, default_tokenizer
+from environments.policies import call, final
+from environments.rewards import binary_reward
+from environments.task_stream import TaskStream
+from environments.tool_context import ToolContext
+
+
+def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, Any]:
+    """One task: a file with N lines; the agent must write N to answer.txt."""
+    lines = rng.randint(3, {"easy": 10, "medium": 50, "hard": 200}[difficulty])
+    words = ("alpha", "beta", "gamma", "delta")
+    text = "".join(f"{rng.choice(words)} {i}\n" for i in range(lines))
+    return {
+        "prompt": "How many lines does notes.txt have? Write just the number to answer.txt.",
+        "files": {"notes.txt": text},
+        "answer": {"lines": lines},
+        "oracle": [
+            call("terminal", command="wc -l notes.txt"),
+            call("write_file", path="answer.txt", content=str(lines)),
+            final("Done."),
+        ],  # noqa: E501
+    }
+
+
+class FileStatsEnvConfig(HermesAgentEnvConfig):
+    max_agent_turns: int = Field(default=6, description="Three tool calls are enough.")
+
+
+class FileStatsEnv(HermesAgentBaseEnv):
+    name = "file_stats"
+    env_config_cls = FileStatsEnvConfig
+
+    @classmethod
+    def config_init(cls) -> tuple[FileStatsEnvConfig, list[Any]]:
+        config = FileStatsEnvConfig(tokenizer_name=default_tokenizer(), group_size=2, use_wandb=False)
+        return config, cls.default_server_configs()
+
+    async def setup(self) -> None:
+        c = self.config
+        self.stream = TaskStream(
+            self.name, make_task, ("line_count",), c.seed, c.difficulty, c.categories, c.task_mix
+        )
+        self.eval_items = TaskStream(self.name, make_task, ("line_count",), c.eval_seed).items(c.eval_size)
+        self.index = 0
+
+    async def get_next_item(self) -> dict[str, Any]:
+        self.index += 1
+        return self.stream.item(self.index - 1)
+
+    def format_prompt(self, item: dict[str, Any]) -> str:
+        return item["prompt"]
+
+    async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
+        try:  # Verify the file, never the model's claim.
+            return binary_reward(int(ctx.read_file("answer.txt").strip()) == item["answer"]["lines"])
+        except (OSError, ValueError):
+            return 0.0
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> None:
+        await self.run_agentic_eval(self.eval_items)
+
+    async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
+        await super().wandb_log(wandb_metrics)
+
+
+if __name__ == "__main__":
+    FileStatsEnv.cli()
