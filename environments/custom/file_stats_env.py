@@ -1,5 +1,4 @@
 """Example custom environment (a template to copy): count the lines of a generated file.
-
     python environments/custom/file_stats_env.py process --env.total_steps 4 --env.group_size 2 \
         --env.tokenizer_name MODEL_DIR --openai.base_url http://127.0.0.1:8000/v1
 """
@@ -20,7 +19,6 @@ from environments.tool_context import ToolContext
 
 
 def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, Any]:
-    """One task: a file with N lines; the agent must write N to answer.txt."""
     lines = rng.randint(3, {"easy": 10, "medium": 50, "hard": 200}[difficulty])
     words = ("alpha", "beta", "gamma", "delta")
     text = "".join(f"{rng.choice(words)} {i}\n" for i in range(lines))
@@ -32,7 +30,7 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
             call("terminal", command="wc -l notes.txt"),
             call("write_file", path="answer.txt", content=str(lines)),
             final("Done."),
-        ],  # noqa: E501
+        ],
     }
 
 
@@ -74,7 +72,7 @@ class FileStatsEnv(HermesAgentBaseEnv):
         await self.run_agentic_eval(self.eval_items)
 
     async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
-        await super().wandb_log(wandb_metrics)
+        await super().wandb_log(wandb_metrics)  # Add env-specific metrics here, then call super.
 
 
 if __name__ == "__main__":
