@@ -336,13 +336,19 @@ def _kill_uid(uid: int) -> bool:
         if not entry.isdigit():
             continue
         try:
-            if os.stat(f"/proc/{entry}").st_uid != uid:
+            if os.stat(f"/proc/{entry}").st_uid != uid or _is_zombie(entry):
                 continue
             os.kill(int(entry), signal.SIGKILL)
             found = True
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
     return found
+
+
+def _is_zombie(pid: str) -> bool:
+    """Dead, waiting to be reaped by whoever adopted it: nothing left to kill."""
+    with open(f"/proc/{pid}/stat") as handle:
+        return handle.read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def _safe(text: str) -> str:
