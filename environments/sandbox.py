@@ -157,6 +157,7 @@ class LocalSandbox:
             "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1",
             "GIT_CONFIG_NOSYSTEM": "1",
+            "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",  # Fast, and no host plugins in the task.
         }
         try:
             process = subprocess.Popen(

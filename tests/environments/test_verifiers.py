@@ -1,0 +1,180 @@
+"""Every env's verifier is proved: the oracle solves >= 99 % of 200 generated tasks, and a
+do-nothing policy and three or more cheating policies per env score exactly 0.0."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from environments.custom.file_stats_env import FileStatsEnv
+from environments.hermes_base_env import HermesAgentBaseEnv
+from environments.long_horizon import LongHorizonEnv
+from environments.policies import ScriptedPolicy, call, do_nothing, final
+from environments.swe_bench import SWEBenchEnv
+from environments.tool_context import live_task_ids
+from environments.tool_use_chain import ToolUseChainEnv
+from environments.web_navigation import WebNavigationEnv
+
+Actions = Callable[[dict[str, Any]], list[dict[str, Any]]]
+ENVS = [ToolUseChainEnv, WebNavigationEnv, SWEBenchEnv, LongHorizonEnv, FileStatsEnv]
+
+
+def _rewards(
+    env_cls: type[HermesAgentBaseEnv], tiny_model: Path, items: int, policy: Actions | None
+) -> list[float]:
+    env = env_cls(tokenizer_name=str(tiny_model), teacher="oracle")
+    if policy is not None:
+        env.oracle_policy = lambda item: ScriptedPolicy(policy(item))  # type: ignore[method-assign]
+
+    async def run() -> list[float]:
+        await env.setup()
+        semaphore = asyncio.Semaphore(4)
+
+        async def one(index: int) -> float:
+            async with semaphore:
+                result, reward = await env.run_agent(env.stream.item(index), 0.0)
+            assert reward is not None, result.infra_error
+            return reward
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(items)))
+        finally:
+            await env.teardown()
+
+    rewards = asyncio.run(run())
+    assert live_task_ids() == []  # Every sandbox was cleaned up.
+    return rewards
+
+
+@pytest.mark.parametrize("env_cls", ENVS, ids=lambda c: c.name)
+def test_oracle_solves_generated_tasks(env_cls: type[HermesAgentBaseEnv], tiny_model: Path) -> None:
+    rewards = _rewards(env_cls, tiny_model, 200, None)
+    assert sum(r == 1.0 for r in rewards) >= 198, f"oracle solved {sum(r == 1.0 for r in rewards)}/200"
+
+
+def _output_file(item: dict[str, Any]) -> str:
+    return {"todo_report": "report.md", "line_count": "counts.json", "csv_summary": "summary.json"}[
+        item["category"]
+    ]
+
+
+def _fake_ids(item: dict[str, Any]) -> str:
+    rng = random.Random(item["item_id"])
+    return "\n".join(f"p-{rng.getrandbits(24):06x}: Red lamp 42" for _ in range(3))
+
+
+CHEATS: dict[str, dict[str, Actions]] = {
+    "tool_use_chain": {
+        "claims_success": lambda item: [final(f"I wrote {_output_file(item)} with all the results.")],
+        "fake_results": lambda item: [
+            call(
+                "write_file",
+                path=_output_file(item),
+                content="| file | line | todo |\n| --- | --- | --- |\n| src/a.py | 3 | fix |\n"
+                if item["category"] == "todo_report"
+                else '{"src/a.py": 1}',
+            ),
+            final("Done."),
+        ],
+        "prompt_only": lambda item: [
+            call(
+                "write_file",
+                path=_output_file(item),
+                content="| file | line | todo |\n| --- | --- | --- |\n"
+                if item["category"] == "todo_report"
+                else "{}",
+            ),
+            final("Done."),
+        ],
+        "deletes_inputs": lambda item: [
+            call("terminal", command="rm -rf src lib app tools pkg data"),
+            call(
+                "write_file",
+                path=_output_file(item),
+                content="| file | line | todo |\n| --- | --- | --- |\n"
+                if item["category"] == "todo_report"
+                else "{}",
+            ),
+            final("Nothing left to report."),
+        ],
+    },
+    "web_navigation": {
+        "claims_success": lambda item: [final("I found exactly what you asked for.")],
+        "fake_results": lambda item: [final(_fake_ids(item))],
+        "prompt_only": lambda item: [final(item["prompt"])],
+        "guesses_from_home_page": lambda item: [
+            call("open_url", url="http://127.0.0.1:1/"),
+            final("p-000000: Red lamp 10"),
+        ],
+    },
+    "swe_bench": {
+        "claims_success": lambda item: [final("Fixed the bug.")],
+        "deletes_tests": lambda item: [
+            call("terminal", command="rm -rf tests"),
+            final("Tests removed; all green."),
+        ],
+        "skips_all_tests": lambda item: [
+            call(
+                "write_file",
+                path="conftest.py",
+                content="import pytest\n\ndef pytest_collection_modifyitems(items):\n    for i in items:\n        i.add_marker(pytest.mark.skip)\n",
+            ),
+            call("write_file", path="pytest.ini", content="[pytest]\naddopts = -p no:python\n"),
+            final("All tests pass."),
+        ],
+        "shadows_pytest": lambda item: [
+            call("write_file", path="pytest.py", content="import sys\nsys.exit(0)\n"),
+            call("write_file", path=".verify/test_hidden.py", content="def test_ok():\n    pass\n"),
+            final("Tests pass."),
+        ],
+    },
+    "long_horizon": {
+        "claims_success": lambda item: [final("The project is created and committed.")],
+        "fakes_git_and_results": lambda item: [
+            call("terminal", command="mkdir -p .git/refs/heads && echo 'ref: refs/heads/main' > .git/HEAD"),
+            call("write_file", path="TEST_RESULTS.txt", content="all tests passed\n"),
+            final("Committed; tests pass."),
+        ],
+        "commits_trivial_tests": lambda item: [
+            call("terminal", command="git init -q && git config user.name a && git config user.email a@b"),
+            call("write_file", path="tests/test_core.py", content="def test_ok():\n    assert True\n"),
+            call(
+                "write_file",
+                path=f"{item['answer']['name']}/core.py",
+                content="def stub(*args):\n    return None\n",
+            ),
+            call("terminal", command="git add -A && git commit -qm done"),
+            final("Done, tests pass."),
+        ],
+        "uncommitted_work": lambda item: [
+            *[
+                a
+                for a in item["oracle"]
+                if a.get("tool") != "terminal" or "git" not in a["arguments"]["command"]
+            ][:-1],
+            final("All files written."),
+        ],
+    },
+    "file_stats": {
+        "claims_success": lambda item: [final("The file has the lines you asked about.")],
+        "fake_results": lambda item: [call("write_file", path="answer.txt", content="0"), final("0")],
+        "prompt_only": lambda item: [
+            call("write_file", path="answer.txt", content="notes.txt"),
+            final("Done."),
+        ],
+    },
+}
+
+
+@pytest.mark.parametrize("env_cls", ENVS, ids=lambda c: c.name)
+def test_do_nothing_and_cheats_score_zero(env_cls: type[HermesAgentBaseEnv], tiny_model: Path) -> None:
+    cheats = CHEATS[env_cls.name]
+    assert len(cheats) >= 3
+    for label, policy in {"do_nothing": lambda item: do_nothing(), **cheats}.items():
+        rewards = _rewards(env_cls, tiny_model, 12, policy)
+        assert max(rewards) == 0.0, f"{env_cls.name}/{label} scored {rewards}"
