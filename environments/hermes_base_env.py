@@ -62,6 +62,9 @@ class HermesAgentEnvConfig(BaseEnvConfig):
     extra_body: dict[str, Any] | None = Field(
         default=None, description="Extra fields sent with each request."
     )
+    inference_retries: int = Field(
+        default=1, ge=0, description="Extra tries per model call (atroposlib's server retries too)."
+    )
     teacher: Literal["server", "oracle"] = Field(
         default="server",
         description="Who acts: the inference server, or the env's oracle policy (teacher data).",
@@ -209,6 +212,7 @@ class HermesAgentBaseEnv(BaseEnv):
                 extra_body=self.config.extra_body,
                 tool_call_parser=self.config.tool_call_parser,
                 tools=self.extra_tools(),
+                inference_retries=self.config.inference_retries,
             )
             result = await loop.run(self.build_messages(item, schemas))
             self._rollouts += 1
@@ -231,7 +235,7 @@ class HermesAgentBaseEnv(BaseEnv):
         )
         group = ScoredDataGroup(
             tokens=[], masks=[], scores=[], messages=[], advantages=None, ref_logprobs=None,
-            group_overrides=None, overrides=None, images=None,
+            group_overrides={}, overrides=None, images=None,
         )  # fmt: skip
         for result, reward in outcomes:
             if reward is None:

@@ -1,6 +1,21 @@
 """Serving models behind an OpenAI-compatible API: `transformers serve` on CPU, `vllm serve` on GPU."""
 
 from inference.client import chat
-from inference.server import ModelServer, ServerConfig, ServerError, build_command, wait_until_healthy
+from inference.server import (
+    ModelServer,
+    ServerConfig,
+    ServerError,
+    build_command,
+    free_port,
+    wait_until_healthy,
+)
 
-__all__ = ["ModelServer", "ServerConfig", "ServerError", "build_command", "chat", "wait_until_healthy"]
+__all__ = [
+    "ModelServer",
+    "ServerConfig",
+    "ServerError",
+    "build_command",
+    "chat",
+    "free_port",
+    "wait_until_healthy",
+]
