@@ -90,13 +90,12 @@ def test_evaluate_writes_metrics_and_samples(
 def test_process_resumes_after_a_kill(tiny_server: ModelServer, tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "groups.jsonl"
     base = {"group_size": 1, "max_agent_turns": 1, "data_path_to_save_groups": out}
-    first = _run("tool_use_chain", "process", _flags(tiny_server.base_url, tiny_server.model_name, tiny_model,
-                                                     total_steps=2, **base))  # fmt: skip
+    server = (tiny_server.base_url, tiny_server.model_name, tiny_model)
+    first = _run("tool_use_chain", "process", _flags(*server, total_steps=2, **base))
     assert first.returncode == 0, first.stderr[-2000:]
     kept = out.read_text().splitlines()[0]
     out.write_text(kept + "\n" + '{"tokens": [[1, 2')  # Killed halfway through writing group 2.
-    second = _run("tool_use_chain", "process", _flags(tiny_server.base_url, tiny_server.model_name, tiny_model,
-                                                      total_steps=3, **base))  # fmt: skip
+    second = _run("tool_use_chain", "process", _flags(*server, total_steps=3, **base))
     assert second.returncode == 0, second.stderr[-2000:]
     lines = out.read_text().splitlines()
     assert lines[0] == kept and len(lines) == 3
@@ -132,11 +131,13 @@ def test_serve_registers_with_run_api(tiny_server: ModelServer, tiny_model: Path
                         "num_steps": 5}  # fmt: skip
         assert httpx.post(f"{url}/register", json=registration, timeout=5).status_code == 200
         httpx.get(f"{url}/batch", timeout=5)  # The trainer starts polling: envs may register now.
-        flags = _flags(tiny_server.base_url, tiny_server.model_name, tiny_model, group_size=2, max_agent_turns=1,
-                       rollout_server_url=url, ensure_scores_are_not_same=False, wandb_name="tool_use_chain",
-                       total_steps=5)  # fmt: skip
+        flags = _flags(
+            tiny_server.base_url, tiny_server.model_name, tiny_model, group_size=2, max_agent_turns=1,
+            rollout_server_url=url, ensure_scores_are_not_same=False, wandb_name="tool_use_chain",
+            total_steps=5,
+        )  # fmt: skip
         env_proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "environments" / "tool_use_chain.py"), "serve", *flags, "--slurm", "false"],
+            [sys.executable, str(ROOT / "environments/tool_use_chain.py"), "serve", *flags, "--slurm=false"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, start_new_session=True,
             env={**os.environ, "WANDB_MODE": "disabled"},
         )  # fmt: skip

@@ -72,8 +72,8 @@ def test_tools_prompt_lists_schemas_and_the_call_format() -> None:
 
 
 _fragments = st.sampled_from(
-    ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "}", "[", "]", '"name"', '"arguments"',
-     ":", ",", '"', "null", "1e309", "\\u0000", ";", "\n"]
+    ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "}", "[", "]", '"name"',
+     '"arguments"', ":", ",", '"', "null", "1e309", "\\u0000", ";", "\n"]
 )  # fmt: skip
 _garbage = st.one_of(
     st.text(max_size=300), st.lists(st.one_of(_fragments, st.text(max_size=8)), max_size=40).map("".join)
