@@ -136,8 +136,9 @@ def test_serve_registers_with_run_api(tiny_server: ModelServer, tiny_model: Path
             rollout_server_url=url, ensure_scores_are_not_same=False, wandb_name="tool_use_chain",
             total_steps=5,
         )  # fmt: skip
+        script = str(ROOT / "environments/tool_use_chain.py")
         env_proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "environments/tool_use_chain.py"), "serve", *flags, "--slurm=false"],
+            [sys.executable, script, "serve", *flags, "--slurm", "false"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, start_new_session=True,
             env={**os.environ, "WANDB_MODE": "disabled"},
         )  # fmt: skip
