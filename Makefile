@@ -36,3 +36,4 @@ test-fast: install
 
 bench: install
 	$(PY) benchmarks/store_throughput.py
+	$(PY) benchmarks/rollout_throughput.py

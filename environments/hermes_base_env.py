@@ -141,6 +141,7 @@ class HermesAgentBaseEnv(BaseEnv):
         super().__init__(config, server_configs, slurm=slurm, testing=testing)
         config.data_path_to_save_groups = output
         self.config: HermesAgentEnvConfig = config
+        _use_aiohttp_clients(self.server.servers)
         self._reward_buffer: list[float] = []
         self._infra_failures = 0
         self._rollouts = 0
@@ -237,10 +238,13 @@ class HermesAgentBaseEnv(BaseEnv):
             tokens=[], masks=[], scores=[], messages=[], advantages=None, ref_logprobs=None,
             group_overrides={}, overrides=None, images=None,
         )  # fmt: skip
+        prefix_cache: dict[str, list[int]] = {}  # The group shares its prompt: render it once.
         for result, reward in outcomes:
             if reward is None:
                 continue
-            tokens, masks = self.tokenize_conversation(result.messages, tools[0])
+            tokens, masks = await asyncio.to_thread(
+                self.tokenize_conversation, result.messages, tools[0], prefix_cache
+            )
             group["tokens"].append(tokens)
             group["masks"].append(masks)
             group["scores"].append(reward)
@@ -254,7 +258,10 @@ class HermesAgentBaseEnv(BaseEnv):
         return group, []
 
     def tokenize_conversation(
-        self, messages: list[dict[str, Any]], tool_schemas: list[dict[str, Any]]
+        self,
+        messages: list[dict[str, Any]],
+        tool_schemas: list[dict[str, Any]],
+        cache: dict[str, list[int]] | None = None,
     ) -> tuple[list[int], list[int]]:
         """Token ids of the whole conversation and a mask that keeps only assistant tokens.
 
@@ -262,15 +269,21 @@ class HermesAgentBaseEnv(BaseEnv):
         whose rendering of a prefix is a prefix of the whole (ChatML, Llama 3, ...).
         """
 
+        cache = {} if cache is None else cache
+
         def render(part: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
-            ids = self.tokenizer.apply_chat_template(
-                part,
-                tools=tool_schemas or None,
-                tokenize=True,
-                add_generation_prompt=generation_prompt,
-                return_dict=False,
-            )
-            return list(ids)
+            key = json.dumps([part, generation_prompt], sort_keys=True, default=str)
+            if key not in cache:
+                cache[key] = list(
+                    self.tokenizer.apply_chat_template(
+                        part,
+                        tools=tool_schemas or None,
+                        tokenize=True,
+                        add_generation_prompt=generation_prompt,
+                        return_dict=False,
+                    )
+                )
+            return cache[key]
 
         tokens = render(messages, False)
         masks = [-100] * len(tokens)
@@ -390,6 +403,26 @@ class HermesAgentBaseEnv(BaseEnv):
                 timeout=600,
             )
         ]
+
+
+def _use_aiohttp_clients(servers: list[Any]) -> None:
+    """Give atroposlib's OpenAI clients the SDK's aiohttp transport.
+
+    The default httpx pool re-checks every open connection on each request, which caps a CPU
+    machine near 100 requests/s at 64 in flight; aiohttp keeps up with the server (the openai SDK
+    documents `DefaultAioHttpClient` for high concurrency).
+    """
+    import openai
+
+    for server in servers:
+        client = getattr(server, "openai", None)
+        if isinstance(client, openai.AsyncClient):
+            server.openai = openai.AsyncClient(
+                api_key=client.api_key,
+                base_url=client.base_url,
+                timeout=client.timeout,
+                http_client=openai.DefaultAioHttpClient(timeout=client.timeout),
+            )
 
 
 def default_tokenizer() -> str:

@@ -141,6 +141,7 @@ class LocalSandbox:
             os.chown(self.workspace, self.uid, self.uid)
             os.chmod(self.workspace, 0o700)
         self._closed = False
+        self._ran_commands = False
         self._hides = _plan_hides(self.workspace) if self.isolated else []
 
     # -- commands ---------------------------------------------------------------------------------
@@ -172,6 +173,7 @@ class LocalSandbox:
             )
         except OSError as err:
             raise InfraError(f"sandbox {self.task_id}: cannot start a command: {err}") from err
+        self._ran_commands = True
         output, truncated, timed_out = _collect(process, timeout, self.limits.max_output_bytes)
         self._kill_everything(process)
         code = -1 if timed_out else process.returncode
@@ -266,7 +268,7 @@ class LocalSandbox:
         if self._closed:
             return
         self._closed = True
-        if self.isolated:
+        if self.isolated and self._ran_commands:
             _kill_uid(self.uid)
         shutil.rmtree(self.workspace, ignore_errors=True)
 

@@ -1,0 +1,141 @@
+"""Rollout throughput: stock atroposlib `process` vs ours, same env, same latency-injected server.
+
+Run: .venv/bin/python benchmarks/rollout_throughput.py [--latency 0.2] [--groups 64] [--concurrency 16]
+
+A local OpenAI-compatible server answers every chat request after `--latency` seconds with a
+final answer, up to `--slots` requests at once (its saturated throughput is `slots / latency`,
+measured directly with a load generator). The same ToolUseChainEnv (sandbox, verifier,
+tokenisation included) then runs `--groups` groups of 4 rollouts twice: through atroposlib's
+stock `BaseEnv.process_manager` (one group at a time) and through ours (`--concurrency` groups in
+flight). Prints groups/s for both, their ratio (goal >= 8x at concurrency 16), and our request
+rate as a fraction of the server's saturated rate (goal >= 0.9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import jsonlines
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_SERVER = """
+import asyncio, json, sys, time
+from aiohttp import web
+latency, slots = float(sys.argv[2]), int(sys.argv[3])
+gate = asyncio.Semaphore(slots)
+async def models(request):
+    return web.json_response({"object": "list", "data": [{"id": "bench", "object": "model"}]})
+async def chat(request):
+    await request.read()
+    async with gate:
+        await asyncio.sleep(latency)
+    return web.json_response({
+        "id": "x", "object": "chat.completion", "created": int(time.time()), "model": "bench",
+        "choices": [{"index": 0, "finish_reason": "stop",
+                     "message": {"role": "assistant", "content": "All done."}}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}})
+app = web.Application()
+app.add_routes([web.get("/v1/models", models), web.post("/v1/chat/completions", chat)])
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+"""
+
+
+async def saturated_rate(base_url: str, requests: int, concurrency: int) -> float:
+    """Requests/s the server sustains when flooded (its ceiling), measured with aiohttp."""
+    import aiohttp
+
+    gate = asyncio.Semaphore(concurrency)
+    body = {"model": "bench", "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+
+        async def one() -> None:
+            async with gate, session.post(f"{base_url}/chat/completions", json=body) as response:
+                response.raise_for_status()
+                await response.read()
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(requests)))
+        return requests / (time.perf_counter() - started)
+
+
+def make_env(base_url: str, tokenizer: str, groups: int, concurrency: int, out: Path):  # type: ignore[no-untyped-def]
+    from atroposlib.envs.base import APIServerConfig
+
+    from environments.tool_use_chain import ToolUseChainEnv
+
+    server = APIServerConfig(
+        base_url=base_url, model_name="bench", api_key="x", server_type="openai", health_check=False,
+        num_max_requests_at_once=1024,
+    )  # fmt: skip
+    env = ToolUseChainEnv(
+        server_configs=[server], tokenizer_name=tokenizer, group_size=4, total_steps=groups,
+        process_concurrency=concurrency, max_agent_turns=2, data_path_to_save_groups=str(out),
+        ensure_scores_are_not_same=False, use_wandb=False, difficulty="easy",
+    )  # fmt: skip
+    env.process_mode = True
+    env.n_groups_to_process = groups
+    env.group_size_to_process = 4
+    return env
+
+
+def timed_run(coroutine_factory) -> float:  # type: ignore[no-untyped-def]
+    started = time.perf_counter()
+    asyncio.run(coroutine_factory())
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--latency", type=float, default=0.2)
+    parser.add_argument("--slots", type=int, default=64, help="requests the server handles at once")
+    parser.add_argument("--groups", type=int, default=64)
+    parser.add_argument("--stock-groups", type=int, default=12)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument(
+        "--tokenizer", default=None, help="local tokenizer dir (default: the prepared tiny model)"
+    )
+    args = parser.parse_args()
+
+    from atroposlib.envs.base import BaseEnv
+
+    from data import ArtifactStore
+    from inference import free_port, wait_until_healthy
+    from training.models import resolve_model
+
+    tokenizer = args.tokenizer or str(resolve_model("tiny", ArtifactStore()))
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", _SERVER, str(port), str(args.latency), str(args.slots)])
+    base_url = f"http://127.0.0.1:{port}/v1"
+    try:
+        wait_until_healthy(base_url, 30, server)
+        ceiling = asyncio.run(saturated_rate(base_url, args.slots * 8, args.slots * 2))
+        with tempfile.TemporaryDirectory() as tmp:
+            stock = make_env(base_url, tokenizer, args.stock_groups, 1, Path(tmp, "stock.jsonl"))
+            stock.jsonl_writer = jsonlines.open(Path(tmp, "stock.jsonl"), "w")  # What stock BaseEnv opens.
+            stock_s = timed_run(lambda: BaseEnv.process_manager(stock))
+            ours = make_env(base_url, tokenizer, args.groups, args.concurrency, Path(tmp, "ours.jsonl"))
+            ours_s = timed_run(ours.process_manager)
+            written = len(Path(tmp, "ours.jsonl").read_text().splitlines())
+    finally:
+        server.kill()
+    stock_rate, ours_rate = args.stock_groups / stock_s, written / ours_s
+    requests_rate = ours_rate * 4  # One model call per rollout (the reply is a final answer).
+    print(f"server ceiling: {ceiling:.0f} requests/s ({args.slots} slots x {args.latency * 1000:.0f} ms)")
+    print(f"stock atroposlib process: {stock_rate:.2f} groups/s")
+    print(f"flywheel process (concurrency {args.concurrency}): {ours_rate:.2f} groups/s ({written} groups)")
+    print(f"speed-up: {ours_rate / stock_rate:.1f}x   (goal >= 8x)")
+    print(f"fraction of the server's saturated throughput: {requests_rate / ceiling:.2f}   (goal >= 0.9)")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    main()
