@@ -22,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import jsonlines
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,0 +1,126 @@
+"""The agent loop and the base env: infra failures, tool errors, turn limits, eval hygiene, gym view."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from environments.agent_loop import HermesAgentLoop
+from environments.base import BaseEnvironment
+from environments.policies import ScriptedPolicy, call, final
+from environments.tool_context import live_task_ids, release
+from environments.tool_use_chain import ToolUseChainEnv
+from environments.tools import TOOLSETS
+
+FILE_TOOLS = TOOLSETS["file"]
+
+
+class _Failing:
+    """A server that fails `failures` times, then answers with a final message."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.calls = 0
+
+    async def chat_completion(self, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise ConnectionError("connection refused")
+        return await ScriptedPolicy([final("ok")]).chat_completion(**kwargs)
+
+
+def _loop(server: Any, max_turns: int = 4, retries: int = 1) -> HermesAgentLoop:
+    schemas = [t.schema() for t in FILE_TOOLS]
+    return HermesAgentLoop(
+        server, schemas, {t.name for t in FILE_TOOLS}, max_turns, "loop-test", inference_retries=retries
+    )
+
+
+def _run(loop: HermesAgentLoop) -> Any:
+    try:
+        return asyncio.run(loop.run([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]))
+    finally:
+        release("loop-test")
+
+
+def test_inference_failure_after_retries_is_an_infra_error() -> None:
+    server = _Failing(failures=10)
+    result = _run(_loop(server, retries=1))
+    assert result.infra_error and "connection refused" in result.infra_error
+    assert server.calls == 2 and result.turns_used == 0
+
+
+def test_a_transient_failure_is_retried() -> None:
+    result = _run(_loop(_Failing(failures=1), retries=1))
+    assert result.infra_error is None and result.finished_naturally
+    assert result.messages[-1] == {"role": "assistant", "content": "ok"}
+
+
+def test_tool_errors_go_back_to_the_model_and_are_recorded() -> None:
+    actions = [
+        call("no_such_tool"),
+        call("read_file", path="../../etc/passwd"),
+        call("read_file"),
+        call("write_file", path="a.txt", content="hi"),
+        final("done"),
+    ]
+    result = _run(_loop(ScriptedPolicy(actions), max_turns=6))
+    assert [e.tool_name for e in result.tool_errors] == ["no_such_tool", "read_file", "read_file"]
+    assert "outside the workspace" in result.tool_errors[1].error
+    tool_messages = [m for m in result.messages if m["role"] == "tool"]
+    assert tool_messages[0]["content"].startswith("Error: unknown tool")
+    assert tool_messages[-1]["content"].startswith("wrote 2 characters")
+    assert result.finished_naturally and result.turns_used == 5
+
+
+def test_turn_limit_cuts_the_rollout() -> None:
+    result = _run(_loop(ScriptedPolicy([call("list_files")] * 10), max_turns=3))
+    assert result.turns_used == 3 and not result.finished_naturally
+
+
+def test_evaluation_does_not_pollute_training_buffers(tiny_model: Path, tmp_path: Path) -> None:
+    env = ToolUseChainEnv(tokenizer_name=str(tiny_model), teacher="oracle", data_dir_to_save_evals=str(tmp_path))
+
+    async def scenario() -> dict[str, float]:
+        await env.setup()
+        await env.collect_trajectories(env.stream.item(0))
+        before = list(env._reward_buffer)
+        metrics = await env.run_agentic_eval(env.eval_items[:3])
+        assert env._reward_buffer == before
+        return metrics
+
+    metrics = asyncio.run(scenario())
+    assert metrics["eval/success_rate"] == 1.0 and metrics["eval/n"] == 3
+    assert (tmp_path / "metrics.json").exists() and (tmp_path / "samples.jsonl").exists()
+    assert live_task_ids() == []
+
+
+def test_seed_style_constructor_sets_the_runner_knobs(tiny_model: Path) -> None:
+    env = ToolUseChainEnv(num_tasks=100, difficulty="medium", max_steps=20, tokenizer_name=str(tiny_model))
+    assert (env.config.total_steps, env.config.difficulty, env.config.max_agent_turns) == (100, "medium", 20)
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ToolUseChainEnv(tool_call_parser="bogus", tokenizer_name=str(tiny_model))
+
+
+def test_gym_view_reset_step_score(tiny_model: Path) -> None:
+    env = BaseEnvironment.make(ToolUseChainEnv, tokenizer_name=str(tiny_model), difficulty="easy")
+    try:
+        state = env.reset(3)
+        assert state.observation == state.item["prompt"] and state.turn == 0
+        for action in state.item["oracle"][:-1]:
+            step = env.step(action)
+            assert step.reward == 0.0 and not step.done
+        next_state, reward, done, info = env.step("All done, the file is written.")
+        assert done and reward == 1.0 and info["finished_naturally"]
+        assert env.score(next_state.messages) == 1.0
+        env.reset(3)  # A fresh sandbox: the earlier work is gone.
+        assert env.step("I did it.").reward == 0.0
+        text_action = '<tool_call>{"name": "list_files", "arguments": {}}</tool_call>'
+        env.reset(4)
+        assert "Error" not in env.step(text_action).next_state.observation
+    finally:
+        env.close()
+    assert live_task_ids() == []
