@@ -254,7 +254,7 @@ class HermesAgentBaseEnv(BaseEnv):
             return None, []
         if len(group["scores"]) < self.config.group_size:
             group["group_overrides"] = {"group_size": len(group["scores"])}
-        group["meta"] = _meta(item, outcomes)  # type: ignore[typeddict-unknown-key]
+        group["meta"] = _meta(item, outcomes) | {"tools": tools[0]}  # type: ignore[typeddict-unknown-key]
         return group, []
 
     def tokenize_conversation(

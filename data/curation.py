@@ -1,0 +1,336 @@
+"""Curation: scored rollout groups (Atropos JSONL) -> an SFT set, preference pairs and a data card.
+
+Filters, in order, each counted in the card:
+1. `infra`: rollouts whose inference failed never reach the JSONL; groups with none left are counted.
+2. `low_reward`: rollouts under `min_reward` (rejection sampling).
+3. `low_spread`: whole groups whose max-min score is under `min_group_spread`.
+4. `not_top_n`: all but the best `top_n_per_group` of a group (ties: fewer turns first).
+5. `exact_duplicate` / `near_duplicate`: same conversation, or word-shingle Jaccard >= threshold.
+6. `contaminated`: the task's text shares rare n-grams with an evaluation item (boilerplate
+   n-grams that recur across many eval items are ignored, so shared templates do not count).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class CurationConfig(BaseModel):
+    """Knobs of rejection sampling, de-duplication, decontamination and pairing."""
+
+    min_reward: float = Field(default=1.0, description="Keep rollouts scoring at least this.")
+    top_n_per_group: int = Field(default=1, ge=1, description="Best rollouts kept per group.")
+    min_group_spread: float = Field(
+        default=0.0, ge=0, description="Drop groups whose max-min score is lower."
+    )
+    near_duplicate_jaccard: float = Field(default=0.9, gt=0, le=1, description="Near-duplicate threshold.")
+    shingle_words: int = Field(default=5, ge=1, description="Words per shingle for near-duplicates.")
+    contamination_ngram: int = Field(default=8, ge=3, description="n for the contamination n-gram check.")
+    contamination_overlap: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="Share of an eval item's rare n-grams that flags a training item.",
+    )
+    boilerplate_df: float = Field(
+        default=0.2, gt=0, le=1, description="n-grams in more than this share of eval items are boilerplate."
+    )
+    pair_min_gap: float = Field(default=0.5, ge=0, description="Min score gap between chosen and rejected.")
+
+
+@dataclass
+class CurationResult:
+    sft: list[dict[str, Any]]
+    pairs: list[dict[str, Any]]
+    removed: Counter[str] = field(default_factory=Counter)
+    groups_seen: int = 0
+    rollouts_seen: int = 0
+    rewards_seen: list[float] = field(default_factory=list)
+
+    def card(self) -> dict[str, Any]:
+        """Counts per slice, reward histogram and what each filter removed."""
+        slices = Counter(
+            f"{r['meta'].get('env')}/{r['meta'].get('category')}/{r['meta'].get('difficulty')}"
+            for r in self.sft
+        )
+        bins = Counter(min(9, int(max(0.0, r) * 10)) for r in self.rewards_seen)
+        return {
+            "groups_seen": self.groups_seen,
+            "rollouts_seen": self.rollouts_seen,
+            "sft_examples": len(self.sft),
+            "preference_pairs": len(self.pairs),
+            "removed": dict(self.removed),
+            "per_slice": dict(sorted(slices.items())),
+            "per_env": dict(sorted(Counter(r["meta"].get("env") for r in self.sft).items())),
+            "reward_histogram": {f"{b / 10:.1f}-{(b + 1) / 10:.1f}": bins.get(b, 0) for b in range(10)},
+        }
+
+
+def curate(
+    groups: Iterable[dict[str, Any]], eval_texts: list[str], config: CurationConfig | None = None
+) -> CurationResult:
+    """Select SFT examples and preference pairs from scored groups (see module docstring)."""
+    config = config or CurationConfig()
+    result = CurationResult(sft=[], pairs=[])
+    candidates: list[dict[str, Any]] = []
+    for group in groups:
+        result.groups_seen += 1
+        meta = group.get("meta") or {}
+        rollouts = [
+            {"messages": m, "score": float(s), "turns": sum(1 for x in m if x.get("role") == "assistant")}
+            for m, s in zip(group.get("messages") or [], group.get("scores") or [], strict=False)
+        ]
+        result.rollouts_seen += len(rollouts)
+        result.rewards_seen.extend(r["score"] for r in rollouts)
+        if not rollouts:
+            result.removed["infra"] += 1
+            continue
+        pair = _preference_pair(rollouts, meta, config.pair_min_gap)
+        if pair is not None:
+            result.pairs.append(pair)
+        scores = [r["score"] for r in rollouts]
+        if config.min_group_spread > 0 and max(scores) - min(scores) < config.min_group_spread:
+            result.removed["low_spread"] += len(rollouts)
+            continue
+        good = [r for r in rollouts if r["score"] >= config.min_reward]
+        result.removed["low_reward"] += len(rollouts) - len(good)
+        good.sort(key=lambda r: (-r["score"], r["turns"]))
+        result.removed["not_top_n"] += max(0, len(good) - config.top_n_per_group)
+        for rollout in good[: config.top_n_per_group]:
+            candidates.append(_sft_row(rollout, meta))
+    kept = _deduplicate(candidates, config, result.removed)
+    checker = _ContaminationCheck(eval_texts, config)
+    for row in kept:
+        if checker.contaminated(_task_text(row["messages"])):
+            result.removed["contaminated"] += 1
+        else:
+            result.sft.append(row)
+    result.pairs = [p for p in result.pairs if not checker.contaminated(_task_text(p["prompt"]))]
+    return result
+
+
+def _sft_row(rollout: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "messages": [_clean(m) for m in rollout["messages"]],
+        "tools": meta.get("tools") or [],
+        "meta": {k: meta.get(k) for k in ("item_id", "env", "category", "difficulty")}
+        | {"reward": rollout["score"]},
+    }
+
+
+def _clean(message: dict[str, Any]) -> dict[str, Any]:
+    """TRL's conversational format: tool-call arguments as dicts, no empty optional fields."""
+    out = {"role": message["role"], "content": message.get("content") or ""}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": call["function"]["name"],
+                    "arguments": _as_dict(call["function"].get("arguments")),
+                },
+            }
+            for call in message["tool_calls"]
+        ]
+    if message["role"] == "tool" and message.get("name"):
+        out["name"] = message["name"]
+    return out
+
+
+def _as_dict(arguments: Any) -> dict[str, Any]:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return {}
+    return arguments if isinstance(arguments, dict) else {}
+
+
+def _preference_pair(
+    rollouts: list[dict[str, Any]], meta: dict[str, Any], gap: float
+) -> dict[str, Any] | None:
+    """Best vs worst of a group, split after the prompt (system + user), if their scores differ enough."""
+    best = max(rollouts, key=lambda r: (r["score"], -r["turns"]))
+    worst = min(rollouts, key=lambda r: (r["score"], r["turns"]))
+    if best["score"] - worst["score"] < gap or best is worst:
+        return None
+    cut = next(
+        (i for i, m in enumerate(best["messages"]) if m.get("role") == "assistant"), len(best["messages"])
+    )
+    prompt = [_clean(m) for m in best["messages"][:cut]]
+    return {
+        "prompt": prompt,
+        "chosen": [_clean(m) for m in best["messages"][cut:]],
+        "rejected": [_clean(m) for m in worst["messages"][cut:]],
+        "tools": meta.get("tools") or [],
+        "meta": {k: meta.get(k) for k in ("item_id", "env", "category", "difficulty")}
+        | {"chosen_reward": best["score"], "rejected_reward": worst["score"]},
+    }
+
+
+def _deduplicate(
+    rows: list[dict[str, Any]], config: CurationConfig, removed: Counter[str]
+) -> list[dict[str, Any]]:
+    seen: set[str] = set()
+    kept: list[dict[str, Any]] = []
+    kept_shingles: list[set[str]] = []
+    for row in rows:
+        digest = hashlib.sha256(json.dumps(row["messages"], sort_keys=True).encode()).hexdigest()
+        if digest in seen:
+            removed["exact_duplicate"] += 1
+            continue
+        seen.add(digest)
+        shingles = _shingles(_conversation_text(row["messages"]), config.shingle_words)
+        if any(_jaccard(shingles, other) >= config.near_duplicate_jaccard for other in kept_shingles):
+            removed["near_duplicate"] += 1
+            continue
+        kept.append(row)
+        kept_shingles.append(shingles)
+    return kept
+
+
+class _ContaminationCheck:
+    def __init__(self, eval_texts: list[str], config: CurationConfig) -> None:
+        self.n = config.contamination_ngram
+        self.overlap = config.contamination_overlap
+        grams = [set(_ngrams(text, self.n)) for text in eval_texts]
+        df = Counter(g for doc in grams for g in doc)
+        limit = max(1, int(config.boilerplate_df * len(grams)))
+        self.docs = [{g for g in doc if df[g] <= limit} for doc in grams]
+        self.index: dict[tuple[str, ...], list[int]] = {}
+        for number, doc in enumerate(self.docs):
+            for gram in doc:
+                self.index.setdefault(gram, []).append(number)
+
+    def contaminated(self, text: str) -> bool:
+        hits = Counter(number for gram in set(_ngrams(text, self.n)) for number in self.index.get(gram, ()))
+        return any(count >= self.overlap * len(self.docs[number]) for number, count in hits.items())
+
+
+def _task_text(messages: list[dict[str, Any]]) -> str:
+    """What defines the task: the user turns."""
+    return "\n".join(m.get("content") or "" for m in messages if m.get("role") == "user")
+
+
+def _conversation_text(messages: list[dict[str, Any]]) -> str:
+    return "\n".join(
+        (m.get("content") or "") + json.dumps(m.get("tool_calls") or "", sort_keys=True)
+        for m in messages
+        if m.get("role") != "system"
+    )
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+|[^\w\s]", text.lower())
+
+
+def _ngrams(text: str, n: int) -> list[tuple[str, ...]]:
+    words = _words(text)
+    return [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+
+
+def _shingles(text: str, n: int) -> set[str]:
+    words = _words(text)
+    return {" ".join(words[i : i + n]) for i in range(max(1, len(words) - n + 1))}
+
+
+def _jaccard(a: set[str], b: set[str]) -> float:
+    return len(a & b) / len(a | b) if a or b else 1.0
+
+
+def read_groups(store: Any, ref: str) -> list[dict[str, Any]]:
+    """Every group in the JSONL files of a `rollouts` artifact; a bad line is a clear error."""
+    from data.errors import StoreError
+
+    manifest = store.manifest(ref)
+    groups = []
+    for relpath in sorted(p for p in manifest.files if p.endswith(".jsonl")):
+        for number, line in enumerate(store.read_bytes(manifest.id, relpath).decode().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                group = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise StoreError(
+                    f"{manifest.kind}/{manifest.name}:{relpath} line {number} is not JSON: {err}"
+                ) from err
+            if not isinstance(group, dict) or "scores" not in group or "messages" not in group:
+                raise StoreError(
+                    f"{manifest.kind}/{manifest.name}:{relpath} line {number} is not a scored group"
+                )
+            groups.append(group)
+    return groups
+
+
+def eval_texts(store: Any) -> tuple[list[str], list[str]]:
+    """Task texts of every `evalset` artifact in the store, and those artifacts' ids (for lineage)."""
+    texts, ids = [], []
+    for manifest in store.list("evalset"):
+        ids.append(manifest.id)
+        for relpath in sorted(p for p in manifest.files if p.endswith(".jsonl")):
+            for line in store.read_bytes(manifest.id, relpath).decode().splitlines():
+                if line.strip():
+                    record = json.loads(line)
+                    messages = record.get("messages") or []
+                    texts.append(record.get("prompt") or record.get("text") or _task_text(messages) or line)
+    return texts, ids
+
+
+def curate_to_store(
+    store: Any, rollout_refs: list[str], name: str, config: CurationConfig | None = None
+) -> tuple[Any, Any]:
+    """Curate rollout artifacts into `dataset/<name>-sft` and `dataset/<name>-pairs` (with data cards)."""
+    config = config or CurationConfig()
+    groups = [group for ref in rollout_refs for group in read_groups(store, ref)]
+    texts, evalset_ids = eval_texts(store)
+    result = curate(groups, texts, config)
+    card = result.card()
+    parents = [store.resolve(ref) for ref in rollout_refs] + evalset_ids
+    common = {"parents": parents, "params": config.model_dump(), "metrics": card}
+    sft = store.put(
+        "dataset",
+        f"{name}-sft",
+        {
+            "train.jsonl": _jsonl(result.sft),
+            "data_card.json": json.dumps(card, indent=2),
+            "data_card.md": _card_md(card),
+        },
+        **common,
+    )
+    pairs = store.put(
+        "dataset",
+        f"{name}-pairs",
+        {"train.jsonl": _jsonl(result.pairs), "data_card.json": json.dumps(card, indent=2)},
+        **common,
+    )
+    return sft, pairs
+
+
+def _jsonl(rows: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+
+def _card_md(card: dict[str, Any]) -> str:
+    lines = [
+        "# Data card",
+        "",
+        f"{card['sft_examples']} SFT examples and {card['preference_pairs']} preference pairs from "
+        f"{card['rollouts_seen']} rollouts in {card['groups_seen']} groups.",
+        "",
+        "| removed by | rollouts |",
+        "|---|---|",
+        *[f"| {k} | {v} |" for k, v in sorted(card["removed"].items())],
+        "",
+        "| slice | examples |",
+        "|---|---|",
+        *[f"| {k} | {v} |" for k, v in card["per_slice"].items()],
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,120 @@
+"""Curation on a hand-built rollout file: each filter removes exactly what it should."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from data import ArtifactStore, StoreError
+from data.curation import CurationConfig, curate, curate_to_store
+
+LONG = " ".join(f"word{i}" for i in range(60))
+EVAL_PROMPT = (
+    "Find 3 products in the toys department priced under $35 at shop zq81x and list ids p-4f2a1c p-77e0b2"
+)
+
+
+def convo(prompt: str, answer: str, tool_turns: int = 0) -> list[dict]:
+    messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": prompt}]
+    for turn in range(tool_turns):
+        function = {"name": "read_file", "arguments": '{"path": "a"}'}
+        call = {"id": f"c{turn}", "type": "function", "function": function}
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        messages.append({"role": "tool", "tool_call_id": f"c{turn}", "name": "read_file", "content": "x"})
+    messages.append({"role": "assistant", "content": answer})
+    return messages
+
+
+def group(item: str, rollouts: list[tuple[list[dict], float]]) -> dict:
+    return {
+        "tokens": [[1]] * len(rollouts),
+        "masks": [[1]] * len(rollouts),
+        "scores": [s for _, s in rollouts],
+        "messages": [m for m, _ in rollouts],
+        "meta": {"item_id": item, "env": "tool_use_chain", "category": "todo_report", "difficulty": "easy",
+                 "tools": [{"type": "function", "function": {"name": "read_file"}}]},
+    }  # fmt: skip
+
+
+def hand_built() -> list[dict]:
+    best = convo("Task one: summarise " + LONG, "answer one " + LONG, tool_turns=1)
+    return [
+        group(
+            "g1",
+            [
+                (best, 1.0),
+                (convo("Task one: summarise " + LONG, "slow " + LONG, 3), 1.0),
+                (convo("Task one", "wrong"), 0.0),
+                (convo("Task one", "meh"), 0.5),
+            ],
+        ),  # fmt: skip
+        group("g2", [(convo("Task two", "bad"), 0.0), (convo("Task two", "worse"), 0.0)]),
+        group("g3", [(best, 1.0)]),
+        group(
+            "g4",
+            [(convo("Task one: summarise " + LONG, "answer one " + LONG.replace("word59", "x"), 1), 1.0)],
+        ),
+        group("g5", [(convo(EVAL_PROMPT, "p-4f2a1c: Toy 1"), 1.0)]),
+        group("g6", []),
+        group("g7", [(convo("Task seven is different", "fine answer here"), 1.0)]),
+    ]
+
+
+def test_each_filter_removes_exactly_what_it_should() -> None:
+    evals = [EVAL_PROMPT] + [f"Find 3 products in the toys department priced under ${n}" for n in range(20)]
+    result = curate(hand_built(), evals, CurationConfig(min_reward=1.0, top_n_per_group=1))
+    assert dict(result.removed) == {
+        "low_reward": 4,  # g1: 0.0 and 0.5; g2: both.
+        "not_top_n": 1,  # g1: the slower of the two 1.0 rollouts.
+        "exact_duplicate": 1,  # g3 repeats g1's best.
+        "near_duplicate": 1,  # g4 differs from it by one word.
+        "contaminated": 1,  # g5 is an evaluation task.
+        "infra": 1,  # g6 lost every rollout to infra failures.
+    }
+    assert [row["meta"]["item_id"] for row in result.sft] == ["g1", "g7"]
+    first = result.sft[0]
+    assert first["messages"][2]["tool_calls"][0]["function"]["arguments"] == {"path": "a"}  # A dict for TRL.
+    assert first["tools"][0]["function"]["name"] == "read_file"
+    assert [p["meta"]["item_id"] for p in result.pairs] == ["g1"]
+    pair = result.pairs[0]
+    assert [m["role"] for m in pair["prompt"]] == ["system", "user"]
+    assert (
+        pair["chosen"][-1]["content"].startswith("answer one") and pair["rejected"][-1]["content"] == "wrong"
+    )
+    card = result.card()
+    assert card["sft_examples"] == 2 and card["groups_seen"] == 7 and card["rollouts_seen"] == 10
+    assert sum(card["reward_histogram"].values()) == 10
+
+
+def test_shared_templates_alone_are_not_contamination() -> None:
+    evals = [f"Find 3 products in the toys department priced under ${n}" for n in range(30)]
+    rows = [group("t", [(convo("Find 3 products in the toys department priced under $99", "ok"), 1.0)])]
+    assert len(curate(rows, evals).sft) == 1
+
+
+def test_low_spread_groups_are_dropped_when_asked() -> None:
+    rows = [group("flat", [(convo("a", "x"), 1.0), (convo("a", "y"), 1.0)]),
+            group("spread", [(convo("b", "x"), 1.0), (convo("b", "y"), 0.0)])]  # fmt: skip
+    result = curate(rows, [], CurationConfig(min_group_spread=0.5))
+    assert result.removed["low_spread"] == 2 and [r["meta"]["item_id"] for r in result.sft] == ["spread"]
+
+
+def test_curate_to_store_records_lineage_and_card(store: ArtifactStore) -> None:
+    body = "".join(json.dumps(g) + "\n" for g in hand_built())
+    rollouts = store.put("rollouts", "r1", {"tool_use_chain.jsonl": body})
+    evalset = store.put("evalset", "agentic", {"items.jsonl": json.dumps({"prompt": EVAL_PROMPT}) + "\n"})
+    sft, pairs = curate_to_store(store, ["rollouts/r1"], "round1")
+    assert set(sft.parents) == {rollouts.id, evalset.id} and sft.metrics["sft_examples"] == 2
+    rows = [json.loads(line) for line in store.read_bytes(sft.id, "train.jsonl").decode().splitlines()]
+    assert [r["meta"]["item_id"] for r in rows] == ["g1", "g7"]
+    assert "contaminated" in store.read_bytes(sft.id, "data_card.md").decode()
+    assert len(store.read_bytes(pairs.id, "train.jsonl").decode().splitlines()) == 1
+
+
+def test_a_bad_rollout_line_fails_clearly_and_stores_nothing(store: ArtifactStore) -> None:
+    store.put("rollouts", "bad", {"x.jsonl": json.dumps(hand_built()[0]) + "\n{not json\n"})
+    before = len(store.list())
+    with pytest.raises(StoreError, match=r"rollouts/bad:x.jsonl line 2 is not JSON"):
+        curate_to_store(store, ["rollouts/bad"], "broken")
+    assert len(store.list()) == before
