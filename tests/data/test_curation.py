@@ -48,7 +48,7 @@ def hand_built() -> list[dict]:
                 (convo("Task one", "wrong"), 0.0),
                 (convo("Task one", "meh"), 0.5),
             ],
-        ),  # fmt: skip
+        ),
         group("g2", [(convo("Task two", "bad"), 0.0), (convo("Task two", "worse"), 0.0)]),
         group("g3", [(best, 1.0)]),
         group(
