@@ -1,0 +1,113 @@
+"""SFT with TRL on the tiny model: the assistant mask, the loss moving, the NaN guard."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from data import ArtifactStore, lineage
+from training.run_logs import MetricsCallback, NonFiniteError, NonFiniteGuard, RunDir
+from training.sft import SFTRunConfig, run_sft, tokenize_rows, trainer_args, training_template
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
+          "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]  # fmt: skip
+
+
+def conversation(a: int, b: int) -> dict:
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
+    return {
+        "messages": [
+            {"role": "system", "content": "Use tools."},
+            {"role": "user", "content": f"What is {a} plus {b}?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "add", "content": str(a + b)},
+            {"role": "assistant", "content": f"The sum is {a + b}."},
+        ],
+        "tools": [],
+    }
+
+
+def test_assistant_mask_decodes_to_exactly_the_assistant_turns(tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    row = conversation(2, 3) | {"tools": TOOLS}
+    out = tokenize_rows(tokenizer, [row], training_template(tiny_model, tokenizer), 4096)
+    ids, mask = out["input_ids"][0], out["assistant_masks"][0]
+    kept = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    dropped = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+    expected = (
+        '\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>\n'
+        "\nThe sum is 5.<|im_end|>\n"
+    )
+    assert kept == expected
+    assert "What is 2 plus 3?" in dropped and "Use tools." in dropped and "<tool_response>\n5" in dropped
+    assert '"name": "add"' in dropped  # The tool schema is in the (unmasked) system turn.
+
+
+@pytest.fixture
+def sft_rows(tmp_path: Path) -> Path:
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(conversation(a, b)) + "\n" for a in range(4) for b in range(4)))
+    return path
+
+
+def test_sft_moves_the_loss_and_the_weights(model_store: ArtifactStore, tiny_model: Path, sft_rows: Path,
+                                            tmp_path: Path) -> None:  # fmt: skip
+    from safetensors.torch import load_file
+
+    cfg = SFTRunConfig(model="tiny", dataset=str(sft_rows), max_steps=20, batch_size=4, learning_rate=2e-3,
+                       max_length=128, logs_root=str(tmp_path / "logs"), output_name="sft-test")  # fmt: skip
+    manifest = run_sft(cfg, model_store)
+    assert manifest.kind == "checkpoint" and manifest.metrics["steps"] == 20
+    assert manifest.metrics["final_loss"] < 0.7 * manifest.metrics["first_loss"]
+    assert lineage(model_store, manifest.id).parents[0].manifest.name == "tiny"
+    trained = load_file(str(model_store.materialize(manifest.id, tmp_path / "c") / "model.safetensors"))
+    base = load_file(str(tiny_model / "model.safetensors"))
+    changed = [k for k in base if not torch.equal(base[k], trained[k])]
+    assert len(changed) >= len(base) // 2
+    metrics = [
+        json.loads(line) for line in next((tmp_path / "logs").glob("run-*")).joinpath("metrics.jsonl").open()
+    ]
+    assert sum("loss" in m for m in metrics) == 20
+    assert "run/sft-test" in model_store.refs()
+
+
+def test_nan_guard_stops_a_poisoned_run_and_keeps_the_last_good_checkpoint(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    rows = [conversation(a, 1) for a in range(8)]
+    data = tokenize_rows(tokenizer, rows, training_template(tiny_model, tokenizer), 128)
+    poison = 49000  # A token id no clean row uses; the model turns it into NaN.
+    data["input_ids"][5] = [*data["input_ids"][5][:-1], poison]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+
+    def poisoned(module, args, output):  # type: ignore[no-untyped-def]
+        hit = (args[0] == poison).any()
+        return output * torch.where(hit, torch.tensor(float("nan")), torch.tensor(1.0))
+
+    model.get_input_embeddings().register_forward_hook(poisoned)
+    cfg = SFTRunConfig(dataset="x", max_steps=8, batch_size=1, max_length=128, save_steps=2)
+    run = RunDir(tmp_path, "nan")
+    trainer = SFTTrainer(model=model, args=trainer_args(cfg, run.checkpoints), train_dataset=Dataset.from_dict(data),
+                         processing_class=tokenizer, callbacks=[MetricsCallback(run), NonFiniteGuard()])  # fmt: skip
+    trainer.args.data_seed = None
+    trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(trainer.train_dataset)
+    with pytest.raises(NonFiniteError, match="step 6"):
+        trainer.train()
+    saved = sorted(p.name for p in run.checkpoints.glob("checkpoint-*"))
+    assert saved == ["checkpoint-2", "checkpoint-4"]
+    from safetensors.torch import load_file
+
+    weights = load_file(str(run.checkpoints / "checkpoint-4" / "model.safetensors"))
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert all(math.isfinite(m["loss"]) for m in run.read_metrics() if "loss" in m and m["step"] <= 5)
