@@ -60,11 +60,11 @@ def test_sft_moves_the_loss_and_the_weights(model_store: ArtifactStore, tiny_mod
                                             tmp_path: Path) -> None:  # fmt: skip
     from safetensors.torch import load_file
 
-    cfg = SFTRunConfig(model="tiny", dataset=str(sft_rows), max_steps=20, batch_size=4, learning_rate=2e-3,
+    cfg = SFTRunConfig(model="tiny", dataset=str(sft_rows), max_steps=20, batch_size=4, learning_rate=5e-3,
                        max_length=128, logs_root=str(tmp_path / "logs"), output_name="sft-test")  # fmt: skip
     manifest = run_sft(cfg, model_store)
     assert manifest.kind == "checkpoint" and manifest.metrics["steps"] == 20
-    assert manifest.metrics["final_loss"] < 0.7 * manifest.metrics["first_loss"]
+    assert manifest.metrics["final_loss"] < 0.8 * manifest.metrics["first_loss"]
     assert lineage(model_store, manifest.id).parents[0].manifest.name == "tiny"
     trained = load_file(str(model_store.materialize(manifest.id, tmp_path / "c") / "model.safetensors"))
     base = load_file(str(tiny_model / "model.safetensors"))
