@@ -77,9 +77,9 @@ class NonFiniteGuard(TrainerCallback):
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
         for key, value in (logs or {}).items():
-            if any(key == w or key.endswith(f"/{w}") or key.startswith(w) for w in self.watched):
-                if isinstance(value, int | float) and not math.isfinite(value):
-                    raise NonFiniteError(
-                        f"{key} became {value} at step {state.global_step}: training stopped; the last good "
-                        f"checkpoint is kept in {args.output_dir}"
-                    )
+            watched = any(key == w or key.endswith(f"/{w}") or key.startswith(w) for w in self.watched)
+            if watched and isinstance(value, int | float) and not math.isfinite(value):
+                raise NonFiniteError(
+                    f"{key} became {value} at step {state.global_step}: training stopped; the last good "
+                    f"checkpoint is kept in {args.output_dir}"
+                )

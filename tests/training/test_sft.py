@@ -13,8 +13,10 @@ from data import ArtifactStore, lineage
 from training.run_logs import MetricsCallback, NonFiniteError, NonFiniteGuard, RunDir
 from training.sft import SFTRunConfig, run_sft, tokenize_rows, trainer_args, training_template
 
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
-          "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]  # fmt: skip
+ADD_PARAMETERS = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+TOOLS = [
+    {"type": "function", "function": {"name": "add", "description": "Add.", "parameters": ADD_PARAMETERS}}
+]
 
 
 def conversation(a: int, b: int) -> dict:
@@ -98,8 +100,13 @@ def test_nan_guard_stops_a_poisoned_run_and_keeps_the_last_good_checkpoint(
     model.get_input_embeddings().register_forward_hook(poisoned)
     cfg = SFTRunConfig(dataset="x", max_steps=8, batch_size=1, max_length=128, save_steps=2)
     run = RunDir(tmp_path, "nan")
-    trainer = SFTTrainer(model=model, args=trainer_args(cfg, run.checkpoints), train_dataset=Dataset.from_dict(data),
-                         processing_class=tokenizer, callbacks=[MetricsCallback(run), NonFiniteGuard()])  # fmt: skip
+    trainer = SFTTrainer(
+        model=model,
+        args=trainer_args(cfg, run.checkpoints),
+        train_dataset=Dataset.from_dict(data),
+        processing_class=tokenizer,
+        callbacks=[MetricsCallback(run), NonFiniteGuard()],
+    )
     trainer.args.data_seed = None
     trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(trainer.train_dataset)
     with pytest.raises(NonFiniteError, match="step 6"):
