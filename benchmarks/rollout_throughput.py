@@ -99,9 +99,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=64)
     parser.add_argument("--stock-groups", type=int, default=12)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument(
-        "--tokenizer", default=None, help="local tokenizer dir (default: the prepared tiny model)"
-    )
+    parser.add_argument("--tokenizer", default=None, help="local tokenizer dir (default: the prepared tiny model)")
     args = parser.parse_args()
 
     from atroposlib.envs.base import BaseEnv

@@ -28,9 +28,7 @@ class CurationConfig(BaseModel):
 
     min_reward: float = Field(default=1.0, description="Keep rollouts scoring at least this.")
     top_n_per_group: int = Field(default=1, ge=1, description="Best rollouts kept per group.")
-    min_group_spread: float = Field(
-        default=0.0, ge=0, description="Drop groups whose max-min score is lower."
-    )
+    min_group_spread: float = Field(default=0.0, ge=0, description="Drop groups whose max-min score is lower.")
     near_duplicate_jaccard: float = Field(default=0.9, gt=0, le=1, description="Near-duplicate threshold.")
     shingle_words: int = Field(default=5, ge=1, description="Words per shingle for near-duplicates.")
     contamination_ngram: int = Field(default=8, ge=3, description="n for the contamination n-gram check.")
@@ -58,8 +56,7 @@ class CurationResult:
     def card(self) -> dict[str, Any]:
         """Counts per slice, reward histogram and what each filter removed."""
         slices = Counter(
-            f"{r['meta'].get('env')}/{r['meta'].get('category')}/{r['meta'].get('difficulty')}"
-            for r in self.sft
+            f"{r['meta'].get('env')}/{r['meta'].get('category')}/{r['meta'].get('difficulty')}" for r in self.sft
         )
         bins = Counter(min(9, int(max(0.0, r) * 10)) for r in self.rewards_seen)
         return {
@@ -121,8 +118,7 @@ def _sft_row(rollout: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     return {
         "messages": [_clean(m) for m in rollout["messages"]],
         "tools": meta.get("tools") or [],
-        "meta": {k: meta.get(k) for k in ("item_id", "env", "category", "difficulty")}
-        | {"reward": rollout["score"]},
+        "meta": {k: meta.get(k) for k in ("item_id", "env", "category", "difficulty")} | {"reward": rollout["score"]},
     }
 
 
@@ -154,17 +150,13 @@ def _as_dict(arguments: Any) -> dict[str, Any]:
     return arguments if isinstance(arguments, dict) else {}
 
 
-def _preference_pair(
-    rollouts: list[dict[str, Any]], meta: dict[str, Any], gap: float
-) -> dict[str, Any] | None:
+def _preference_pair(rollouts: list[dict[str, Any]], meta: dict[str, Any], gap: float) -> dict[str, Any] | None:
     """Best vs worst of a group, split after the prompt (system + user), if their scores differ enough."""
     best = max(rollouts, key=lambda r: (r["score"], -r["turns"]))
     worst = min(rollouts, key=lambda r: (r["score"], r["turns"]))
     if best["score"] - worst["score"] < gap or best is worst:
         return None
-    cut = next(
-        (i for i, m in enumerate(best["messages"]) if m.get("role") == "assistant"), len(best["messages"])
-    )
+    cut = next((i for i, m in enumerate(best["messages"]) if m.get("role") == "assistant"), len(best["messages"]))
     prompt = [_clean(m) for m in best["messages"][:cut]]
     return {
         "prompt": prompt,
@@ -176,9 +168,7 @@ def _preference_pair(
     }
 
 
-def _deduplicate(
-    rows: list[dict[str, Any]], config: CurationConfig, removed: Counter[str]
-) -> list[dict[str, Any]]:
+def _deduplicate(rows: list[dict[str, Any]], config: CurationConfig, removed: Counter[str]) -> list[dict[str, Any]]:
     seen: set[str] = set()
     kept: list[dict[str, Any]] = []
     kept_shingles: list[set[str]] = []
@@ -259,13 +249,9 @@ def read_groups(store: Any, ref: str) -> list[dict[str, Any]]:
             try:
                 group = json.loads(line)
             except json.JSONDecodeError as err:
-                raise StoreError(
-                    f"{manifest.kind}/{manifest.name}:{relpath} line {number} is not JSON: {err}"
-                ) from err
+                raise StoreError(f"{manifest.kind}/{manifest.name}:{relpath} line {number} is not JSON: {err}") from err
             if not isinstance(group, dict) or "scores" not in group or "messages" not in group:
-                raise StoreError(
-                    f"{manifest.kind}/{manifest.name}:{relpath} line {number} is not a scored group"
-                )
+                raise StoreError(f"{manifest.kind}/{manifest.name}:{relpath} line {number} is not a scored group")
             groups.append(group)
     return groups
 

@@ -50,9 +50,7 @@ class ArtifactStore:
         url = os.fspath(url) if url is not None else os.environ.get(STORE_ENV, DEFAULT_STORE)
         protocol, _, rest = url.partition("://") if "://" in url else ("file", "", url)
         if protocol not in ("file", "s3"):
-            raise StoreError(
-                f"unsupported store URL '{url}': use a local path, file://PATH or s3://BUCKET/PREFIX"
-            )
+            raise StoreError(f"unsupported store URL '{url}': use a local path, file://PATH or s3://BUCKET/PREFIX")
         self.url = url
         self.local = protocol == "file"
         if self.local:
@@ -134,14 +132,10 @@ class ArtifactStore:
                     shutil.copyfile(key, tmp)
                     digest = digest_future.result()
             else:
-                self._translate(
-                    lambda: self.fs.get_file(key, str(tmp)), missing=f"blob {entry.sha256} {label}"
-                )
+                self._translate(lambda: self.fs.get_file(key, str(tmp)), missing=f"blob {entry.sha256} {label}")
                 digest = _sha256_file(tmp, progress)
             if digest != entry.sha256:
-                raise CorruptBlobError(
-                    f"blob {entry.sha256} {label} is corrupted: its bytes hash to {digest[:12]}…"
-                )
+                raise CorruptBlobError(f"blob {entry.sha256} {label} is corrupted: its bytes hash to {digest[:12]}…")
             os.replace(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)
@@ -169,9 +163,7 @@ class ArtifactStore:
         parent_ids = [self.resolve(parent) for parent in parents]
         files: dict[str, FileEntry] = {}
         for relpath, item in _iter_source(source):
-            files[relpath] = (
-                self.put_bytes(item) if isinstance(item, bytes) else self.put_file(item, progress)
-            )
+            files[relpath] = self.put_bytes(item) if isinstance(item, bytes) else self.put_file(item, progress)
         manifest = Manifest(
             kind=kind,
             name=name,
@@ -361,9 +353,7 @@ class ArtifactStore:
 
     def _check_bucket(self) -> None:
         bucket = self.root.split("/", 1)[0]
-        self._translate(
-            lambda: self.fs.call_s3("head_bucket", Bucket=bucket), missing=f"S3 bucket '{bucket}' of store"
-        )
+        self._translate(lambda: self.fs.call_s3("head_bucket", Bucket=bucket), missing=f"S3 bucket '{bucket}' of store")
 
     def _translate(self, call: Callable[[], Any], missing: str | None = None) -> Any:
         """Run an fsspec call, turning transport and credential failures into one-line StoreErrors."""
@@ -379,14 +369,11 @@ class ArtifactStore:
             name = type(err).__name__
             if name == "NoCredentialsError":
                 raise StoreError(
-                    f"no S3 credentials for {self.url}: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
-                    "(or AWS_PROFILE)"
+                    f"no S3 credentials for {self.url}: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
                 ) from err
             if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError"):
                 endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-                raise StoreError(
-                    f"cannot reach the S3 endpoint {endpoint or '(AWS default)'} for {self.url}"
-                ) from err
+                raise StoreError(f"cannot reach the S3 endpoint {endpoint or '(AWS default)'} for {self.url}") from err
             if isinstance(err, PermissionError):
                 raise StoreError(f"access denied to {self.url}: {err}") from err
             raise

@@ -112,9 +112,7 @@ class HermesAgentLoop:
                 return result
             for call in calls:
                 text = await self._execute(ctx, call, turn, result)
-                result.messages.append(
-                    {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": text}
-                )
+                result.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": text})
         return result
 
     async def _complete(self, messages: list[dict[str, Any]]) -> Any:
@@ -137,9 +135,7 @@ class HermesAgentLoop:
                 raise
             except Exception as err:  # Transport, HTTP 5xx, timeouts: the server's classes vary.
                 last = err
-                logger.warning(
-                    "inference failed for task %s (attempt %d): %s", self.task_id, attempt + 1, err
-                )
+                logger.warning("inference failed for task %s (attempt %d): %s", self.task_id, attempt + 1, err)
                 await asyncio.sleep(min(2.0, 0.25 * 2**attempt))
         raise InfraError(f"inference failed after {self.inference_retries + 1} attempts: {last}")
 

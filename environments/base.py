@@ -106,9 +106,7 @@ class BaseEnvironment:
                 text = tool(self._ctx, call.arguments)
             except AgentError as err:
                 text = f"Error: {err}"
-            state.messages.append(
-                {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": text}
-            )
+            state.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": text})
             outputs.append(text)
         state.observation = "\n".join(outputs)
         return StepResult(state, 0.0, False, {"turns": state.turn, "tool_calls": [c.name for c in calls]})
@@ -118,9 +116,7 @@ class BaseEnvironment:
         if self.state is None or self._ctx is None:
             raise RuntimeError("no episode to score: call reset() first")
         result = trajectory if isinstance(trajectory, AgentResult) else AgentResult(messages=list(trajectory))
-        result.turns_used = result.turns_used or sum(
-            1 for m in result.messages if m.get("role") == "assistant"
-        )
+        result.turns_used = result.turns_used or sum(1 for m in result.messages if m.get("role") == "assistant")
         reward = self._loop.run_until_complete(self.env.compute_reward(self.state.item, result, self._ctx))
         return float(min(1.0, max(0.0, reward)))
 

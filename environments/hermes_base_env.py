@@ -43,25 +43,15 @@ class HermesAgentEnvConfig(BaseEnvConfig):
     """Config of an agent environment; CLI flags are `--env.<field>`."""
 
     # -- agent
-    enabled_toolsets: list[str] = Field(
-        default=["terminal", "file"], description="Toolsets the agent may use."
-    )
-    max_agent_turns: int = Field(
-        default=12, ge=1, description="Model calls per rollout before it is cut off."
-    )
-    agent_temperature: float = Field(
-        default=1.0, ge=0, description="Sampling temperature for training rollouts."
-    )
-    system_prompt: str | None = Field(
-        default=DEFAULT_SYSTEM_PROMPT, description="System message of every rollout."
-    )
+    enabled_toolsets: list[str] = Field(default=["terminal", "file"], description="Toolsets the agent may use.")
+    max_agent_turns: int = Field(default=12, ge=1, description="Model calls per rollout before it is cut off.")
+    agent_temperature: float = Field(default=1.0, ge=0, description="Sampling temperature for training rollouts.")
+    system_prompt: str | None = Field(default=DEFAULT_SYSTEM_PROMPT, description="System message of every rollout.")
     tool_call_parser: str = Field(default="hermes", description="Parser for tool calls in raw model text.")
     render_tools_in_system_prompt: bool = Field(
         default=False, description="Describe tools in the system prompt (for templates that ignore tools=)."
     )
-    extra_body: dict[str, Any] | None = Field(
-        default=None, description="Extra fields sent with each request."
-    )
+    extra_body: dict[str, Any] | None = Field(default=None, description="Extra fields sent with each request.")
     inference_retries: int = Field(
         default=1, ge=0, description="Extra tries per model call (atroposlib's server retries too)."
     )
@@ -80,18 +70,14 @@ class HermesAgentEnvConfig(BaseEnvConfig):
     seed: int = Field(default=0, description="Seed of the training task stream.")
     eval_seed: int = Field(default=1_000_000, description="Seed of the held-out evaluation tasks.")
     eval_size: int = Field(default=20, ge=1, description="Held-out tasks per evaluation.")
-    difficulty: str | None = Field(
-        default=None, description="Only this difficulty (None: the task mix decides)."
-    )
+    difficulty: str | None = Field(default=None, description="Only this difficulty (None: the task mix decides).")
     categories: list[str] | None = Field(default=None, description="Only these categories (None: all).")
     task_mix: dict[str, float] | None = Field(
         default=None, description="Sampling weights per 'category/difficulty' slice (from weakness mining)."
     )
 
     # -- throughput
-    process_concurrency: int = Field(
-        default=16, ge=1, description="Groups in flight at once in `process` mode."
-    )
+    process_concurrency: int = Field(default=16, ge=1, description="Groups in flight at once in `process` mode.")
     eval_concurrency: int = Field(default=8, ge=1, description="Evaluation rollouts in flight at once.")
 
     @field_validator("tool_call_parser")
@@ -186,9 +172,7 @@ class HermesAgentBaseEnv(BaseEnv):
     def build_messages(self, item: Item, tool_schemas: list[dict[str, Any]]) -> list[dict[str, Any]]:
         system = self.config.system_prompt or ""
         if self.config.render_tools_in_system_prompt and tool_schemas:
-            system = (
-                f"{system}\n\n{get_parser(self.config.tool_call_parser).render_tools_prompt(tool_schemas)}"
-            )
+            system = f"{system}\n\n{get_parser(self.config.tool_call_parser).render_tools_prompt(tool_schemas)}"
         messages = [{"role": "system", "content": system}] if system else []
         return [*messages, {"role": "user", "content": self.format_prompt(item)}]
 
@@ -229,10 +213,7 @@ class HermesAgentBaseEnv(BaseEnv):
         """`group_size` concurrent rollouts of one item; infra failures are dropped, not scored 0."""
         tools = self._resolve_tools_for_group()
         outcomes = await asyncio.gather(
-            *(
-                self.run_agent(item, self.config.agent_temperature, tools)
-                for _ in range(self.config.group_size)
-            )
+            *(self.run_agent(item, self.config.agent_temperature, tools) for _ in range(self.config.group_size))
         )
         group = ScoredDataGroup(
             tokens=[], masks=[], scores=[], messages=[], advantages=None, ref_logprobs=None,
@@ -242,9 +223,7 @@ class HermesAgentBaseEnv(BaseEnv):
         for result, reward in outcomes:
             if reward is None:
                 continue
-            tokens, masks = await asyncio.to_thread(
-                self.tokenize_conversation, result.messages, tools[0], prefix_cache
-            )
+            tokens, masks = await asyncio.to_thread(self.tokenize_conversation, result.messages, tools[0], prefix_cache)
             group["tokens"].append(tokens)
             group["masks"].append(masks)
             group["scores"].append(reward)
@@ -348,9 +327,7 @@ class HermesAgentBaseEnv(BaseEnv):
         done = _written_item_ids(path)
         items = [await self.get_next_item() for _ in range(self.n_groups_to_process)]
         todo = [item for item in items if item.get("item_id") not in done]
-        logger.info(
-            "%s: %d groups to generate (%d already in %s)", self.name, len(todo), len(items) - len(todo), path
-        )
+        logger.info("%s: %d groups to generate (%d already in %s)", self.name, len(todo), len(items) - len(todo), path)
         started = time.perf_counter()
         semaphore = asyncio.Semaphore(self.config.process_concurrency)
         written = failed = 0
@@ -436,9 +413,7 @@ def _prepare_workspace(ctx: ToolContext, item: Item) -> None:
     for command in item.get("setup_commands") or []:
         outcome = ctx.terminal(command)
         if outcome["exit_code"] != 0:
-            raise RuntimeError(
-                f"setup command failed for {item.get('item_id')}: {command}: {outcome['output']}"
-            )
+            raise RuntimeError(f"setup command failed for {item.get('item_id')}: {command}: {outcome['output']}")
 
 
 def _meta(item: Item, outcomes: list[tuple[AgentResult, float | None]]) -> dict[str, Any]:

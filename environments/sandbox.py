@@ -49,9 +49,7 @@ class SandboxLimits(BaseModel):
     """Resource limits for every command run in a sandbox."""
 
     timeout_s: float = Field(default=30.0, gt=0, description="Wall-clock limit per command.")
-    max_output_bytes: int = Field(
-        default=16_384, gt=0, description="Output kept per command; the rest is cut."
-    )
+    max_output_bytes: int = Field(default=16_384, gt=0, description="Output kept per command; the rest is cut.")
     memory_bytes: int = Field(default=2 << 30, description="Address-space limit (RLIMIT_AS).")
     max_processes: int = Field(default=128, description="Processes of the sandbox uid (RLIMIT_NPROC).")
     max_file_bytes: int = Field(default=64 << 20, description="Largest file a command may write.")

@@ -34,9 +34,7 @@ class SWEBenchEnvConfig(HermesAgentEnvConfig):
     """Generated bug-fix tasks, or real SWE-bench-format instances from a JSONL file."""
 
     max_agent_turns: int = 12
-    instances_path: str | None = Field(
-        default=None, description="SWE-bench-format JSONL (replaces generated tasks)."
-    )
+    instances_path: str | None = Field(default=None, description="SWE-bench-format JSONL (replaces generated tasks).")
 
 
 class SWEBenchEnv(HermesAgentBaseEnv):
@@ -141,9 +139,7 @@ def load_instances(path: Path) -> list[dict[str, Any]]:
                 "difficulty": raw.get("difficulty", "hard"),
                 "prompt": f"{raw['problem_statement']}\n\nFix the issue in this repository.",
                 "files": files,
-                "setup_commands": [
-                    "git init -q && git add -A && git -c user.name=a -c user.email=a@b commit -qm base"
-                ],
+                "setup_commands": ["git init -q && git add -A && git -c user.name=a -c user.email=a@b commit -qm base"],
                 "answer": {
                     "test_patch": raw["test_patch"],
                     "FAIL_TO_PASS": fail_to_pass,

@@ -37,9 +37,7 @@ class TaskStream:
         self.make_task = make_task
         self.seed = seed
         self.slices = [
-            (c, d)
-            for c in (only_categories or categories)
-            for d in ((difficulty,) if difficulty else DIFFICULTIES)
+            (c, d) for c in (only_categories or categories) for d in ((difficulty,) if difficulty else DIFFICULTIES)
         ]
         mix = mix or {}
         self.weights = [max(0.0, mix.get(f"{c}/{d}", 1.0)) for c, d in self.slices]

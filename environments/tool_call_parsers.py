@@ -149,9 +149,7 @@ class MistralParser(ToolCallParser):
         try:
             obj = _loads(payload)
         except (json.JSONDecodeError, ValueError, RecursionError):
-            return ParsedResponse(
-                content=content.strip(), errors=[f"could not parse tool calls: {payload[:80]}"]
-            )
+            return ParsedResponse(content=content.strip(), errors=[f"could not parse tool calls: {payload[:80]}"])
         items = obj if isinstance(obj, list) else [obj]
         calls = [c for c in (_call_from_obj(item, errors) for item in items) if c is not None]
         return ParsedResponse(content=content.strip(), tool_calls=calls, errors=errors)

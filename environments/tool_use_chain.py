@@ -44,9 +44,7 @@ class ToolUseChainEnv(HermesAgentBaseEnv):
             cfg.categories,
             cfg.task_mix,
         )
-        self.eval_items = TaskStream(self.name, tasks.make_task, self.categories, cfg.eval_seed).items(
-            cfg.eval_size
-        )
+        self.eval_items = TaskStream(self.name, tasks.make_task, self.categories, cfg.eval_seed).items(cfg.eval_size)
         self.index = 0
 
     async def get_next_item(self) -> dict[str, Any]:

@@ -47,21 +47,15 @@ class Tool:
     def __call__(self, ctx: ToolContext, arguments: dict[str, Any]) -> str:
         """Validate `arguments` against the schema, run the tool, and return its text result."""
         if not isinstance(arguments, dict):
-            raise ToolCallError(
-                f"{self.name}: arguments must be a JSON object, got {type(arguments).__name__}"
-            )
+            raise ToolCallError(f"{self.name}: arguments must be a JSON object, got {type(arguments).__name__}")
         properties = self.parameters["properties"]
         unknown = set(arguments) - set(properties)
         if unknown:
-            raise ToolCallError(
-                f"{self.name}: unknown argument(s) {sorted(unknown)}; expected {sorted(properties)}"
-            )
+            raise ToolCallError(f"{self.name}: unknown argument(s) {sorted(unknown)}; expected {sorted(properties)}")
         missing = [name for name in self.parameters.get("required", []) if name not in arguments]
         if missing:
             raise ToolCallError(f"{self.name}: missing required argument(s) {missing}")
-        kwargs = {
-            name: _coerce(self.name, name, value, properties[name]) for name, value in arguments.items()
-        }
+        kwargs = {name: _coerce(self.name, name, value, properties[name]) for name, value in arguments.items()}
         try:
             result = self.fn(ctx, **kwargs)
         except AgentError:
@@ -79,9 +73,7 @@ def tool(fn: Callable[..., Any]) -> Tool:
     hints = typing.get_type_hints(fn)
     doc = inspect.getdoc(fn) or ""
     summary = doc.split("\n\n", 1)[0].replace("\n", " ").strip()
-    arg_docs = (
-        dict(re.findall(r"^\s*(\w+):\s*(.+)$", doc.split("Args:", 1)[1], re.M)) if "Args:" in doc else {}
-    )
+    arg_docs = dict(re.findall(r"^\s*(\w+):\s*(.+)$", doc.split("Args:", 1)[1], re.M)) if "Args:" in doc else {}
     properties: dict[str, Any] = {}
     required: list[str] = []
     for index, (name, param) in enumerate(inspect.signature(fn).parameters.items()):
@@ -115,13 +107,7 @@ def _coerce(tool_name: str, name: str, value: Any, spec: dict[str, Any]) -> Any:
     kind = spec.get("type")
     try:
         if kind == "string" and not isinstance(value, str):
-            return (
-                value
-                if value is None
-                else json.dumps(value)
-                if isinstance(value, dict | list)
-                else str(value)
-            )
+            return value if value is None else json.dumps(value) if isinstance(value, dict | list) else str(value)
         if kind == "integer" and not isinstance(value, bool):
             return int(value)
         if kind == "number" and not isinstance(value, bool):

@@ -53,9 +53,7 @@ class WebNavigationEnv(HermesAgentBaseEnv):
             cfg.categories,
             cfg.task_mix,
         )
-        self.eval_items = TaskStream(self.name, tasks.make_task, self.categories, cfg.eval_seed).items(
-            cfg.eval_size
-        )
+        self.eval_items = TaskStream(self.name, tasks.make_task, self.categories, cfg.eval_seed).items(cfg.eval_size)
         self.index = 0
 
     async def teardown(self) -> None:

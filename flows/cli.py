@@ -53,9 +53,7 @@ state = _State()
 def _root(
     store: Annotated[
         str | None,
-        typer.Option(
-            "--store", envvar="FLYWHEEL_STORE", help="Store URL: a path, file://PATH or s3://BUCKET/PREFIX."
-        ),
+        typer.Option("--store", envvar="FLYWHEEL_STORE", help="Store URL: a path, file://PATH or s3://BUCKET/PREFIX."),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
@@ -187,9 +185,7 @@ def artifacts_lineage(ref: Annotated[str, typer.Argument(help="Ref, kind/name, i
 
     def add(tree: Tree, node: LineageNode) -> None:
         m = node.manifest
-        branch = tree.add(
-            f"{m.kind}/{m.name} [dim]{m.id[:12]} {m.created}[/]" + (" (above)" if node.repeated else "")
-        )
+        branch = tree.add(f"{m.kind}/{m.name} [dim]{m.id[:12]} {m.created}[/]" + (" (above)" if node.repeated else ""))
         for parent in node.parents:
             add(branch, parent)
 

@@ -74,9 +74,7 @@ class ServerConfig(BaseModel):
         try:
             return cls.model_validate(fields)
         except ValidationError as err:
-            problems = "; ".join(
-                f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in err.errors()
-            )
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in err.errors())
             raise ServerError(f"invalid server config: {problems}") from err
 
     @model_validator(mode="after")
@@ -273,9 +271,7 @@ def _find_executable(name: str) -> str:
         return str(beside)
     found = shutil.which(name)
     if found is None:
-        hint = (
-            "pip install 'flywheel[gpu]' on a CUDA machine" if name == "vllm" else "pip install transformers"
-        )
+        hint = "pip install 'flywheel[gpu]' on a CUDA machine" if name == "vllm" else "pip install transformers"
         raise ServerError(f"'{name}' is not installed: {hint}")
     return found
 

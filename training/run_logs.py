@@ -59,13 +59,9 @@ class MetricsCallback(TrainerCallback):
     def __init__(self, run: RunDir) -> None:
         self.run = run
 
-    def on_log(
-        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
-    ) -> None:
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if logs:
-            self.run.log_metrics(
-                state.global_step, {k: v for k, v in logs.items() if isinstance(v, int | float)}
-            )
+            self.run.log_metrics(state.global_step, {k: v for k, v in logs.items() if isinstance(v, int | float)})
 
 
 class NonFiniteGuard(TrainerCallback):
@@ -73,9 +69,7 @@ class NonFiniteGuard(TrainerCallback):
 
     watched = ("loss", "reward", "rewards/mean", "kl", "grad_norm")
 
-    def on_log(
-        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
-    ) -> None:
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         for key, value in (logs or {}).items():
             watched = any(key == w or key.endswith(f"/{w}") or key.startswith(w) for w in self.watched)
             if watched and isinstance(value, int | float) and not math.isfinite(value):

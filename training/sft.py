@@ -33,9 +33,7 @@ class SFTRunConfig(BaseModel):
 
     # -- what
     model: str = Field(default="tiny", description="Base model spec: smollm2 | tiny | store ref | local dir.")
-    dataset: str = Field(
-        description="Store ref of a curated `dataset` artifact (train.jsonl), or a local JSONL."
-    )
+    dataset: str = Field(description="Store ref of a curated `dataset` artifact (train.jsonl), or a local JSONL.")
     output_name: str = Field(default="sft", description="Name of the checkpoint artifact.")
     # -- how
     profile: Literal["cpu", "h100"] = Field(default="cpu", description="Hardware profile.")
@@ -44,13 +42,9 @@ class SFTRunConfig(BaseModel):
     warmup_ratio: float = Field(default=0.1, ge=0, lt=1, description="Share of steps spent warming up.")
     batch_size: int = Field(default=8, ge=1, description="Per-device batch size.")
     gradient_accumulation_steps: int = Field(default=1, ge=1, description="Micro-batches per step.")
-    max_length: int = Field(
-        default=1024, ge=16, description="Tokens per example (longer ones are truncated)."
-    )
+    max_length: int = Field(default=1024, ge=16, description="Tokens per example (longer ones are truncated).")
     seed: int = Field(default=0, description="Seed for data order and initialisation.")
-    num_threads: int = Field(
-        default=1, ge=1, description="cpu profile: torch threads (one beat two under load)."
-    )
+    num_threads: int = Field(default=1, ge=1, description="cpu profile: torch threads (one beat two under load).")
     deepspeed: Literal["zero2", "zero3", "zero3_offload"] | None = Field(
         default=None, description="DeepSpeed ZeRO config from training/deepspeed/ (h100 profile)."
     )
@@ -73,9 +67,7 @@ def load_rows(store: ArtifactStore, dataset: str) -> tuple[list[dict[str, Any]],
     return rows, parent
 
 
-def tokenize_rows(
-    tokenizer: Any, rows: list[dict[str, Any]], template: str, max_length: int
-) -> dict[str, list]:
+def tokenize_rows(tokenizer: Any, rows: list[dict[str, Any]], template: str, max_length: int) -> dict[str, list]:
     """`input_ids` and `assistant_masks` (1 on assistant tokens) for each conversation."""
     ids, masks = [], []
     for row in rows:
@@ -151,13 +143,9 @@ def run_sft(cfg: SFTRunConfig, store: ArtifactStore) -> Manifest:
     model_dir = resolve_model(cfg.model, store)
     rows, dataset_id = load_rows(store, cfg.dataset)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    data = Dataset.from_dict(
-        tokenize_rows(tokenizer, rows, training_template(model_dir, tokenizer), cfg.max_length)
-    )
+    data = Dataset.from_dict(tokenize_rows(tokenizer, rows, training_template(model_dir, tokenizer), cfg.max_length))
     run = RunDir(cfg.logs_root, cfg.output_name)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32 if cfg.profile == "cpu" else "auto"
-    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32 if cfg.profile == "cpu" else "auto")
     trainer = SFTTrainer(
         model=model,
         args=trainer_args(cfg, run.checkpoints),

@@ -49,9 +49,7 @@ class FileStatsEnv(HermesAgentBaseEnv):
 
     async def setup(self) -> None:
         c = self.config
-        self.stream = TaskStream(
-            self.name, make_task, ("line_count",), c.seed, c.difficulty, c.categories, c.task_mix
-        )
+        self.stream = TaskStream(self.name, make_task, ("line_count",), c.seed, c.difficulty, c.categories, c.task_mix)
         self.eval_items = TaskStream(self.name, make_task, ("line_count",), c.eval_seed).items(c.eval_size)
         self.index = 0
 

@@ -89,9 +89,7 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
         "README.md": readme,
     }
     if with_cli:
-        files[f"{name}/cli.py"] = (
-            f"from {name}.core import {function}\n\n\ndef main():\n    print({function})\n"
-        )
+        files[f"{name}/cli.py"] = f"from {name}.core import {function}\n\n\ndef main():\n    print({function})\n"
         files["LICENSE"] = "MIT License\n"
     required = sorted(files)
     extra = f" Also add a console script `{name}` in pyproject ({name}.cli:main) and an MIT LICENSE file."
@@ -148,9 +146,7 @@ def milestone_checks(answer: dict[str, Any]) -> dict[str, str]:
         f"assert all(d in deps for d in '{deps}'.split())"
     )
     if any(path.endswith("cli.py") for path in answer["required"]):
-        check_pyproject += (
-            f"; assert tomllib.load(open('pyproject.toml', 'rb'))['project']['scripts']['{name}']"
-        )
+        check_pyproject += f"; assert tomllib.load(open('pyproject.toml', 'rb'))['project']['scripts']['{name}']"
     checks = "; ".join(f"assert {c}" for c in answer["checks"])
     py = "python -I -c"
     return {

@@ -85,9 +85,7 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
     names = sorted([buggy, *others])
     package = rng.choice(_PACKAGES)
     # Hard tasks spread functions over two modules, so the agent has to find the right one.
-    modules = {
-        name: ("core" if difficulty != "hard" or i % 2 == 0 else "extra") for i, name in enumerate(names)
-    }
+    modules = {name: ("core" if difficulty != "hard" or i % 2 == 0 else "extra") for i, name in enumerate(names)}
 
     def module_source(module: str, fixed: bool) -> str:
         parts = [
@@ -102,9 +100,7 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
         files[f"{package}/{module}.py"] = module_source(module, fixed=False)
     imports = "\n".join(f"from {package}.{modules[n]} import {n}" for n in names)
     visible = [line for n in others for line in _FUNCTIONS[n][2][:1]]
-    files["tests/test_visible.py"] = f"{imports}\n\n\ndef test_examples():\n" + "".join(
-        f"    {t}\n" for t in visible
-    )
+    files["tests/test_visible.py"] = f"{imports}\n\n\ndef test_examples():\n" + "".join(f"    {t}\n" for t in visible)
     hidden = f"{imports}\n\n\n" + "".join(
         f"def test_{n}():\n" + "".join(f"    {t}\n" for t in _FUNCTIONS[n][2]) + "\n" for n in names
     )

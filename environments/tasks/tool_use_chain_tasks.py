@@ -68,9 +68,7 @@ def _python_files(rng: random.Random, count: int, nested: bool) -> dict[str, str
         files[path] = "\n".join(lines)
     if not any("# TODO:" in text for text in files.values()):  # Every task has at least one TODO.
         path = sorted(files)[0]
-        files[path] = files[path].replace(
-            "    return value", f"    # TODO: {rng.choice(_TODOS)}\n    return value", 1
-        )
+        files[path] = files[path].replace("    return value", f"    # TODO: {rng.choice(_TODOS)}\n    return value", 1)
     return files
 
 
@@ -85,9 +83,7 @@ def _todo_report(rng: random.Random, files: dict[str, str], difficulty: str) -> 
         for number, line in enumerate(files[path].splitlines(), start=1)
         if "# TODO:" in line
     ]
-    table = "| file | line | todo |\n| --- | --- | --- |\n" + "".join(
-        f"| {f} | {n} | {t} |\n" for f, n, t in rows
-    )
+    table = "| file | line | todo |\n| --- | --- | --- |\n" + "".join(f"| {f} | {n} | {t} |\n" for f, n, t in rows)
     return {
         "prompt": (
             "Collect every TODO comment in the Python (.py) files of this repository. Write report.md "
@@ -133,9 +129,7 @@ def _csv_summary(rng: random.Random, files: dict[str, str], difficulty: str) -> 
     for _ in range({"easy": 6, "medium": 15, "hard": 40}[difficulty]):
         amount = round(rng.uniform(-20 if difficulty == "hard" else 1, 500), 2)
         rows.append((rng.choice(regions), rng.choice(_WORDS), amount))
-    totals = {
-        r: round(sum(a for reg, _, a in rows if reg == r), 2) for r in sorted({reg for reg, _, _ in rows})
-    }
+    totals = {r: round(sum(a for reg, _, a in rows if reg == r), 2) for r in sorted({reg for reg, _, _ in rows})}
     csv = "region,product,amount\n" + "".join(f"{r},{p},{a:.2f}\n" for r, p, a in rows)
     files = {**files, "data/sales.csv": csv}
     return {

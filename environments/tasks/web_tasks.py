@@ -55,9 +55,7 @@ def catalog(key: str, difficulty: str) -> list[Product]:
             continue
         titles.add(title)
         products.append(
-            Product(
-                f"p-{rng.getrandbits(24):06x}", title, rng.choice(SHELVES[:4]), round(rng.uniform(5, 120), 2)
-            )
+            Product(f"p-{rng.getrandbits(24):06x}", title, rng.choice(SHELVES[:4]), round(rng.uniform(5, 120), 2))
         )
     return products
 
@@ -106,8 +104,7 @@ class _Handler(BaseHTTPRequestHandler):
             body = (
                 "<h1>Shop home</h1><h2>Departments</h2><ul>"
                 + "".join(
-                    f'<li><a href="{root}/c/{s}">{s.capitalize()}</a></li>'
-                    for s in sorted({p.shelf for p in products})
+                    f'<li><a href="{root}/c/{s}">{s.capitalize()}</a></li>' for s in sorted({p.shelf for p in products})
                 )
                 + f'</ul><form name="search" action="{root}/search"><input name="q"></form>'
             )
@@ -123,11 +120,7 @@ class _Handler(BaseHTTPRequestHandler):
                 + "</li>"
                 for p in chunk
             )
-            nav = (
-                f'<a href="{root}/c/{rest[1]}?page={page + 1}">Next page</a>'
-                if page * page_size < len(shelf)
-                else ""
-            )
+            nav = f'<a href="{root}/c/{rest[1]}?page={page + 1}">Next page</a>' if page * page_size < len(shelf) else ""
             return self._send(200, f"<h1>{rest[1].capitalize()} (page {page})</h1><ul>{items}</ul>{nav}")
         if rest[0] == "p" and len(rest) == 2:
             match = [p for p in products if p.id == rest[1]]
@@ -244,9 +237,7 @@ class _PageParser(HTMLParser):
         if tag == "a":
             self._href = values.get("href")
         elif tag == "form":
-            self.forms.append(
-                {"name": values.get("name") or "form", "action": values.get("action"), "fields": []}
-            )
+            self.forms.append({"name": values.get("name") or "form", "action": values.get("action"), "fields": []})
         elif tag == "input" and self.forms:
             self.forms[-1]["fields"].append(values.get("name"))
 

@@ -10,9 +10,7 @@ from data import ArtifactStore, StoreError
 from data.curation import CurationConfig, curate, curate_to_store
 
 LONG = " ".join(f"word{i}" for i in range(60))
-EVAL_PROMPT = (
-    "Find 3 products in the toys department priced under $35 at shop zq81x and list ids p-4f2a1c p-77e0b2"
-)
+EVAL_PROMPT = "Find 3 products in the toys department priced under $35 at shop zq81x and list ids p-4f2a1c p-77e0b2"
 
 
 def convo(prompt: str, answer: str, tool_turns: int = 0) -> list[dict]:
@@ -79,9 +77,7 @@ def test_each_filter_removes_exactly_what_it_should() -> None:
     assert [p["meta"]["item_id"] for p in result.pairs] == ["g1"]
     pair = result.pairs[0]
     assert [m["role"] for m in pair["prompt"]] == ["system", "user"]
-    assert (
-        pair["chosen"][-1]["content"].startswith("answer one") and pair["rejected"][-1]["content"] == "wrong"
-    )
+    assert pair["chosen"][-1]["content"].startswith("answer one") and pair["rejected"][-1]["content"] == "wrong"
     card = result.card()
     assert card["sft_examples"] == 2 and card["groups_seen"] == 7 and card["rollouts_seen"] == 10
     assert sum(card["reward_histogram"].values()) == 10

@@ -82,9 +82,7 @@ def test_turn_limit_cuts_the_rollout() -> None:
 
 
 def test_evaluation_does_not_pollute_training_buffers(tiny_model: Path, tmp_path: Path) -> None:
-    env = ToolUseChainEnv(
-        tokenizer_name=str(tiny_model), teacher="oracle", data_dir_to_save_evals=str(tmp_path)
-    )
+    env = ToolUseChainEnv(tokenizer_name=str(tiny_model), teacher="oracle", data_dir_to_save_evals=str(tmp_path))
 
     async def scenario() -> dict[str, float]:
         await env.setup()

@@ -36,9 +36,7 @@ def _flags(server_url: str, model_name: str, tokenizer: Path, **env: object) -> 
     return flags
 
 
-def _run(
-    env_file: str, mode: str, flags: list[str], timeout: float = 600
-) -> subprocess.CompletedProcess[str]:
+def _run(env_file: str, mode: str, flags: list[str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, str(ROOT / "environments" / f"{env_file}.py"), mode, *flags]
     environ = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environ, cwd=ROOT)
@@ -60,9 +58,7 @@ def test_process_writes_scored_groups(
     groups = _lines(out)
     assert len(groups) == 2
     for group in groups:
-        assert (
-            len(group["tokens"]) == len(group["masks"]) == len(group["scores"]) == len(group["messages"]) == 2
-        )
+        assert len(group["tokens"]) == len(group["masks"]) == len(group["scores"]) == len(group["messages"]) == 2
         for tokens, masks in zip(group["tokens"], group["masks"], strict=True):
             assert len(tokens) == len(masks) and any(m != -100 for m in masks)
         assert all(0.0 <= s <= 1.0 for s in group["scores"])

@@ -72,9 +72,7 @@ def _instance(tmp_path: Path) -> Path:
 
 
 def test_real_swe_bench_instances_run_with_their_oracle_patch(tiny_model: Path, tmp_path: Path) -> None:
-    env = SWEBenchEnv(
-        tokenizer_name=str(tiny_model), teacher="oracle", instances_path=str(_instance(tmp_path))
-    )
+    env = SWEBenchEnv(tokenizer_name=str(tiny_model), teacher="oracle", instances_path=str(_instance(tmp_path)))
 
     async def scenario() -> tuple[float | None, float | None]:
         await env.setup()

@@ -100,9 +100,7 @@ def test_no_network_even_to_loopback(box: LocalSandbox) -> None:
     port = listener.getsockname()[1]
     accepted: list[object] = []
     threading.Thread(target=lambda: accepted.append(_accept(listener)), daemon=True).start()
-    result = box.run(
-        f"python -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)\""
-    )
+    result = box.run(f"python -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)\"")
     assert result.exit_code != 0
     time.sleep(0.5)
     assert accepted in ([], [None])

@@ -24,9 +24,7 @@ Actions = Callable[[dict[str, Any]], list[dict[str, Any]]]
 ENVS = [ToolUseChainEnv, WebNavigationEnv, SWEBenchEnv, LongHorizonEnv, FileStatsEnv]
 
 
-def _rewards(
-    env_cls: type[HermesAgentBaseEnv], tiny_model: Path, items: int, policy: Actions | None
-) -> list[float]:
+def _rewards(env_cls: type[HermesAgentBaseEnv], tiny_model: Path, items: int, policy: Actions | None) -> list[float]:
     env = env_cls(tokenizer_name=str(tiny_model), teacher="oracle")
     if policy is not None:
         env.oracle_policy = lambda item: ScriptedPolicy(policy(item))  # type: ignore[method-assign]
@@ -58,9 +56,7 @@ def test_oracle_solves_generated_tasks(env_cls: type[HermesAgentBaseEnv], tiny_m
 
 
 def _output_file(item: dict[str, Any]) -> str:
-    return {"todo_report": "report.md", "line_count": "counts.json", "csv_summary": "summary.json"}[
-        item["category"]
-    ]
+    return {"todo_report": "report.md", "line_count": "counts.json", "csv_summary": "summary.json"}[item["category"]]
 
 
 def _fake_ids(item: dict[str, Any]) -> str:
@@ -91,9 +87,7 @@ CHEATS: dict[str, dict[str, Actions]] = {
             call(
                 "write_file",
                 path=_output_file(item),
-                content="| file | line | todo |\n| --- | --- | --- |\n"
-                if item["category"] == "todo_report"
-                else "{}",
+                content="| file | line | todo |\n| --- | --- | --- |\n" if item["category"] == "todo_report" else "{}",
             ),
             final("Done."),
         ],
@@ -102,9 +96,7 @@ CHEATS: dict[str, dict[str, Actions]] = {
             call(
                 "write_file",
                 path=_output_file(item),
-                content="| file | line | todo |\n| --- | --- | --- |\n"
-                if item["category"] == "todo_report"
-                else "{}",
+                content="| file | line | todo |\n| --- | --- | --- |\n" if item["category"] == "todo_report" else "{}",
             ),
             final("Nothing left to report."),
         ],
@@ -158,11 +150,7 @@ CHEATS: dict[str, dict[str, Actions]] = {
             final("Done, tests pass."),
         ],
         "uncommitted_work": lambda item: [
-            *[
-                a
-                for a in item["oracle"]
-                if a.get("tool") != "terminal" or "git" not in a["arguments"]["command"]
-            ][:-1],
+            *[a for a in item["oracle"] if a.get("tool") != "terminal" or "git" not in a["arguments"]["command"]][:-1],
             final("All files written."),
         ],
     },

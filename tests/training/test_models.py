@@ -29,9 +29,7 @@ def test_tiny_model_is_a_chatml_llama_with_tool_template(tiny_model: Path) -> No
     assert "{% generation %}" in (tiny_model / TRAINING_TEMPLATE_FILE).read_text()
 
 
-def test_prepare_is_idempotent_and_force_rebuilds_identically(
-    model_store: ArtifactStore, tiny_model: Path
-) -> None:
+def test_prepare_is_idempotent_and_force_rebuilds_identically(model_store: ArtifactStore, tiny_model: Path) -> None:
     first = prepare_model("tiny", model_store)
     assert prepare_model("tiny", model_store).id == first.id
     rebuilt = prepare_model("tiny", model_store, force=True)

@@ -14,9 +14,7 @@ from training.run_logs import MetricsCallback, NonFiniteError, NonFiniteGuard, R
 from training.sft import SFTRunConfig, run_sft, tokenize_rows, trainer_args, training_template
 
 ADD_PARAMETERS = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
-TOOLS = [
-    {"type": "function", "function": {"name": "add", "description": "Add.", "parameters": ADD_PARAMETERS}}
-]
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": ADD_PARAMETERS}}]
 
 
 def conversation(a: int, b: int) -> dict:
@@ -58,12 +56,21 @@ def sft_rows(tmp_path: Path) -> Path:
     return path
 
 
-def test_sft_moves_the_loss_and_the_weights(model_store: ArtifactStore, tiny_model: Path, sft_rows: Path,
-                                            tmp_path: Path) -> None:  # fmt: skip
+def test_sft_moves_the_loss_and_the_weights(
+    model_store: ArtifactStore, tiny_model: Path, sft_rows: Path, tmp_path: Path
+) -> None:
     from safetensors.torch import load_file
 
-    cfg = SFTRunConfig(model="tiny", dataset=str(sft_rows), max_steps=20, batch_size=4, learning_rate=5e-3,
-                       max_length=128, logs_root=str(tmp_path / "logs"), output_name="sft-test")  # fmt: skip
+    cfg = SFTRunConfig(
+        model="tiny",
+        dataset=str(sft_rows),
+        max_steps=20,
+        batch_size=4,
+        learning_rate=5e-3,
+        max_length=128,
+        logs_root=str(tmp_path / "logs"),
+        output_name="sft-test",
+    )
     manifest = run_sft(cfg, model_store)
     assert manifest.kind == "checkpoint" and manifest.metrics["steps"] == 20
     assert manifest.metrics["final_loss"] < 0.8 * manifest.metrics["first_loss"]
@@ -72,16 +79,12 @@ def test_sft_moves_the_loss_and_the_weights(model_store: ArtifactStore, tiny_mod
     base = load_file(str(tiny_model / "model.safetensors"))
     changed = [k for k in base if not torch.equal(base[k], trained[k])]
     assert len(changed) >= len(base) // 2
-    metrics = [
-        json.loads(line) for line in next((tmp_path / "logs").glob("run-*")).joinpath("metrics.jsonl").open()
-    ]
+    metrics = [json.loads(line) for line in next((tmp_path / "logs").glob("run-*")).joinpath("metrics.jsonl").open()]
     assert sum("loss" in m for m in metrics) == 20
     assert "run/sft-test" in model_store.refs()
 
 
-def test_nan_guard_stops_a_poisoned_run_and_keeps_the_last_good_checkpoint(
-    tiny_model: Path, tmp_path: Path
-) -> None:
+def test_nan_guard_stops_a_poisoned_run_and_keeps_the_last_good_checkpoint(tiny_model: Path, tmp_path: Path) -> None:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTTrainer
