@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import signal
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,16 +27,19 @@ from rich.tree import Tree
 from data import ArtifactStore, LineageNode, StoreError, lineage
 from inference import ModelServer, ServerConfig, ServerError, build_command, chat
 from training import BUILTIN_MODELS, ModelError, prepare_model, resolve_model
+from training.config import ConfigError
 
 app = typer.Typer(help="A data flywheel for tool-using LLM agents.", no_args_is_help=True)
 model_app = typer.Typer(help="Prepare built-in models.", no_args_is_help=True)
 artifacts_app = typer.Typer(help="Inspect the artifact store.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
+train_app = typer.Typer(help="Train: SFT, RL (GRPO) and DPO from a YAML config plus key=value overrides.")
 app.add_typer(artifacts_app, name="artifacts")
+app.add_typer(train_app, name="train")
 
 console = Console()
 err_console = Console(stderr=True)
-USER_ERRORS = (StoreError, ServerError, ModelError)
+USER_ERRORS = (StoreError, ServerError, ModelError, ConfigError)
 
 
 class _State:
@@ -218,6 +222,61 @@ def artifacts_verify() -> None:
     if problems:
         raise typer.Exit(1)
     console.print("store OK")
+
+
+# -- training ----------------------------------------------------------------------------------
+
+ConfigOption = Annotated[Path, typer.Option("--config", help="YAML config (see training/configs/).")]
+Overrides = Annotated[list[str] | None, typer.Argument(help="key=value overrides of config fields.")]
+
+
+@train_app.command("sft")
+def train_sft(
+    config: ConfigOption,
+    overrides: Overrides = None,
+    gpus: Annotated[int, typer.Option(help="Launch on this many GPUs with accelerate (DeepSpeed).")] = 1,
+    dry_run: Annotated[bool, typer.Option(help="Print the multi-GPU launch command and exit.")] = False,
+) -> None:
+    """Supervised fine-tuning on a curated dataset artifact."""
+    from training.config import load_config
+    from training.sft import SFTRunConfig, launch_command, run_sft
+
+    cfg = load_config(SFTRunConfig, config, overrides)
+    if gpus > 1 or dry_run:
+        command = launch_command(str(config), gpus, cfg.deepspeed)
+        if dry_run:
+            console.print(" ".join(command), soft_wrap=True, highlight=False)
+            return
+        raise typer.Exit(subprocess.call(command))
+    manifest = run_sft(cfg, state.store)
+    console.print(
+        f"checkpoint/{manifest.name} = {manifest.id[:12]}  loss {manifest.metrics['first_loss']:.3f} -> "
+        f"{manifest.metrics['final_loss']:.3f}"
+    )
+
+
+@train_app.command("rl")
+def train_rl(config: ConfigOption, overrides: Overrides = None) -> None:
+    """Online RL (GRPO) on the environments."""
+    _train(config, overrides, None)
+
+
+@train_app.command("dpo")
+def train_dpo(config: ConfigOption, overrides: Overrides = None) -> None:
+    """Preference optimisation (DPO) on curated pairs."""
+    _train(config, overrides, "dpo")
+
+
+def _train(config: Path, overrides: list[str] | None, algorithm: str | None) -> None:
+    from training.config import RunnerConfig, load_config
+    from training.dpo import run_training
+
+    cfg = load_config(RunnerConfig, config, [*(overrides or []), *([f"algorithm={algorithm}"] if algorithm else [])])
+    try:
+        manifest = run_training(cfg, state.store)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    console.print(f"checkpoint/{manifest.name} = {manifest.id[:12]}  {json.dumps(manifest.metrics)}")
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ import asyncio
 import importlib
 import json
 import logging
+import sys
 import time
 import uuid
 from typing import Any
@@ -172,7 +173,7 @@ def grpo_args(cfg: RunnerConfig, output_dir: str) -> Any:
         "logging_nan_inf_filter": False,
         "save_strategy": "no",
         "report_to": cfg.report_to or "none",
-        "disable_tqdm": True,
+        "disable_tqdm": not sys.stderr.isatty(),  # A progress bar on a terminal only.
     }
     if cfg.profile == "cpu":
         args.update(use_cpu=True, bf16=False, gradient_checkpointing=False)

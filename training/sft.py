@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -117,7 +118,7 @@ def trainer_args(cfg: SFTRunConfig, output_dir: Path) -> Any:
         "save_steps": cfg.save_steps or cfg.max_steps,
         "report_to": cfg.report_to or "none",
         "dataloader_num_workers": 0,
-        "disable_tqdm": True,
+        "disable_tqdm": not sys.stderr.isatty(),  # A progress bar on a terminal only.
     }
     if cfg.profile == "cpu":
         common.update(use_cpu=True, bf16=False, gradient_checkpointing=False)
@@ -208,3 +209,18 @@ def _model_artifact(store: ArtifactStore, spec: str) -> str | None:
         except ArtifactNotFound:
             continue
     return None
+
+
+def launch_command(config_file: str, num_gpus: int, deepspeed: str | None = "zero3") -> list[str]:
+    """The `accelerate launch` argv that runs this SFT config on `num_gpus` GPUs (pure: nothing runs)."""
+    command = ["accelerate", "launch", "--num_processes", str(num_gpus), "--num_machines", "1"]
+    if deepspeed:
+        command += [
+            "--config_file",
+            str(DEEPSPEED_DIR / "accelerate_multi_gpu.yaml"),
+            "--deepspeed_config_file",
+            str(DEEPSPEED_DIR / f"{deepspeed}.json"),
+        ]
+    else:
+        command.append("--multi_gpu")
+    return [*command, "-m", "flows.cli", "train", "sft", "--config", config_file]

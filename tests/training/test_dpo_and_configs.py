@@ -1,0 +1,81 @@
+"""DPO runs on curated pairs; PPO fails clearly; every shipped config loads; the train CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from data import ArtifactStore
+from training.config import ConfigError, RunnerConfig, load_config
+from training.dpo import render_pairs, run_training
+from training.sft import SFTRunConfig, launch_command
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "training" / "configs").glob("*.yaml"))
+
+
+def _pair(a: int) -> dict:
+    prompt = [{"role": "system", "content": "Add."}, {"role": "user", "content": f"{a}+1?"}]
+    return {
+        "prompt": prompt,
+        "chosen": [{"role": "assistant", "content": f"{a + 1}"}],
+        "rejected": [{"role": "assistant", "content": "I do not know."}],
+        "tools": [],
+    }
+
+
+def test_render_pairs_splits_after_the_generation_prompt(tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    rendered = render_pairs(AutoTokenizer.from_pretrained(tiny_model), [_pair(2)])
+    assert rendered["prompt"][0].endswith("<|im_start|>assistant\n")
+    assert rendered["chosen"] == ["3<|im_end|>\n"] and rendered["rejected"] == ["I do not know.<|im_end|>\n"]
+
+
+def test_dpo_trains_on_a_pairs_artifact(model_store: ArtifactStore, tiny_model: Path, tmp_path: Path) -> None:
+    pairs = model_store.put(
+        "dataset", "pairs-test", {"train.jsonl": "".join(json.dumps(_pair(a)) + "\n" for a in range(8))}
+    )
+    cfg = RunnerConfig(algorithm="dpo", dataset="dataset/pairs-test", total_steps=4, batch_size=4,
+                       num_rollouts_per_task=2, learning_rate=1e-3, kl_beta=0.1, logs_root=str(tmp_path),
+                       output_name="dpo-test")  # fmt: skip
+    manifest = run_training(cfg, model_store)
+    assert manifest.metrics["steps"] == 4 and set(manifest.parents) == {model_store.resolve("model/tiny"), pairs.id}
+    losses = [json.loads(line)["loss"] for line in next(tmp_path.glob("run-*")).joinpath("metrics.jsonl").open()
+              if "loss" in json.loads(line)]  # fmt: skip
+    assert len(losses) == 4 and losses[-1] < losses[0]
+
+
+def test_ppo_fails_naming_the_alternatives(model_store: ArtifactStore) -> None:
+    with pytest.raises(ValueError, match="algorithm=grpo.*algorithm=dpo"):
+        run_training(RunnerConfig(algorithm="ppo"), model_store)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_documents_its_command(path: Path) -> None:
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# ") and ("flywheel train" in first or "accelerate launch" in first)
+    model = SFTRunConfig if path.name.startswith("sft") else RunnerConfig
+    assert load_config(model, path) is not None
+
+
+def test_launch_command_for_multi_gpu_sft() -> None:
+    command = launch_command("cfg.yaml", 8, "zero3")
+    assert command[:4] == ["accelerate", "launch", "--num_processes", "8"]
+    assert any(part.endswith("zero3.json") for part in command)
+    assert command[-6:] == ["-m", "flows.cli", "train", "sft", "--config", "cfg.yaml"]
+
+
+def test_train_cli_dry_run_and_config_errors(tmp_path: Path) -> None:
+    from tests.flows.test_cli import FLYWHEEL, assert_one_line_error, run
+
+    sft = str(CONFIGS[[p.name for p in CONFIGS].index("sft_h100_zero3.yaml")])
+    dry = run("--store", str(tmp_path), "train", "sft", "--config", sft, "--gpus", "4", "--dry-run")
+    assert dry.returncode == 0 and dry.stdout.startswith("accelerate launch --num_processes 4"), dry.stderr
+    bad = run("--store", str(tmp_path), "train", "rl", "--config", str(CONFIGS[0].with_name("grpo_tiny.yaml")),
+              "kl_beta=0.001")  # fmt: skip
+    assert_one_line_error(bad, "kl_beta=0.001 is below 0.01; raise it or set allow_low_kl=true")
+    assert FLYWHEEL
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(RunnerConfig, tmp_path / "missing.yaml")
