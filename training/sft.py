@@ -120,12 +120,12 @@ def trainer_args(cfg: SFTRunConfig, output_dir: Path) -> Any:
         "dataloader_num_workers": 0,
         "disable_tqdm": not sys.stderr.isatty(),  # A progress bar on a terminal only.
     }
+    if cfg.deepspeed:  # DeepSpeed also runs on CPU (gloo): the same JSON serves tests and H100s.
+        common["deepspeed"] = str(DEEPSPEED_DIR / f"{cfg.deepspeed}.json")
     if cfg.profile == "cpu":
-        common.update(use_cpu=True, bf16=False, gradient_checkpointing=False)
+        common.update(use_cpu=not cfg.deepspeed, bf16=False, gradient_checkpointing=False)
     else:
         common.update(bf16=True, gradient_checkpointing=True, packing=True)
-        if cfg.deepspeed:
-            common["deepspeed"] = str(DEEPSPEED_DIR / f"{cfg.deepspeed}.json")
         if importlib.util.find_spec("flash_attn") is not None:
             common["model_init_kwargs"] = {"attn_implementation": "flash_attention_2"}
     return SFTConfig(**common)

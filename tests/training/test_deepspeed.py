@@ -1,0 +1,62 @@
+"""DeepSpeed ZeRO-2, ZeRO-3 and ZeRO-3-offload on CPU: 4 SFT steps each, losses match a plain run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from inference import free_port
+
+pytest.importorskip("deepspeed")
+
+_RUN = """
+import json, sys
+from pathlib import Path
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import SFTTrainer
+from tests.training.test_sft import conversation
+from training.run_logs import MetricsCallback, RunDir
+from training.sft import SFTRunConfig, tokenize_rows, trainer_args, training_template
+
+model_dir, stage, logs = Path(sys.argv[1]), (None if sys.argv[2] == "none" else sys.argv[2]), sys.argv[3]
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+rows = [conversation(a, b) for a in range(4) for b in range(2)]
+data = tokenize_rows(tokenizer, rows, training_template(model_dir, tokenizer), 128)
+cfg = SFTRunConfig(dataset="x", max_steps=4, batch_size=2, learning_rate=1e-3, max_length=128,
+                   deepspeed=stage, warmup_ratio=0.0)
+run = RunDir(logs, stage or "plain")
+model = AutoModelForCausalLM.from_pretrained(model_dir)
+trainer = SFTTrainer(model=model, args=trainer_args(cfg, run.checkpoints), train_dataset=Dataset.from_dict(data),
+                     processing_class=tokenizer, callbacks=[MetricsCallback(run)])
+trainer.train()
+print("LOSSES " + json.dumps([m["loss"] for m in run.read_metrics() if "loss" in m]))
+"""
+
+
+def _losses(tiny_model: Path, stage: str, tmp_path: Path) -> list[float]:
+    env = {
+        **os.environ,
+        "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+        "TORCH_EXTENSIONS_DIR": str(Path.home() / ".cache" / "flywheel" / "torch_extensions"),
+    }  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", _RUN, str(tiny_model), stage, str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=900, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("LOSSES "))
+    return json.loads(line.removeprefix("LOSSES "))
+
+
+def test_zero_stages_match_a_plain_run(tiny_model: Path, tmp_path: Path) -> None:
+    plain = _losses(tiny_model, "none", tmp_path)
+    assert len(plain) == 4 and plain[-1] < plain[0]
+    for stage in ("zero2", "zero3", "zero3_offload"):
+        losses = _losses(tiny_model, stage, tmp_path)
+        assert losses == pytest.approx(plain, rel=1e-4), stage
