@@ -39,3 +39,4 @@ test-fast: install
 bench: install
 	$(PY) benchmarks/store_throughput.py
 	$(PY) benchmarks/rollout_throughput.py
+	$(PY) benchmarks/sft_throughput.py
