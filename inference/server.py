@@ -49,6 +49,7 @@ class ServerConfig(BaseModel):
     dtype: str = Field(default="auto", description="Weights dtype (auto, float32, bfloat16, ...).")
     startup_timeout_s: float = Field(default=600.0, gt=0, description="Give up if not healthy by then.")
     extra_args: list[str] = Field(default_factory=list, description="Appended verbatim to the command.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for the server.")
 
     # -- transformers serve (CPU)
     device: str = Field(default="cpu", description="transformers: device for inference.")
@@ -194,7 +195,7 @@ class ModelServer:
     def start(self) -> ModelServer:
         """Launch the server and block until it serves the model (or fail with its log tail)."""
         executable = _find_executable(self.command[0])
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **self.config.env}
         logger.info("starting %s", " ".join(self.command))
         started = time.perf_counter()
         self.process = subprocess.Popen(

@@ -32,6 +32,18 @@ from training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
 logger = logging.getLogger(__name__)
 _FILE_TOOLS = {t.name: t for t in TOOLSETS["terminal"] + TOOLSETS["file"]}
 
+# `vllm serve` flags and environment that TRL's GRPO server mode needs (weights are pushed over NCCL;
+# log-probs must reflect sampling). Pass them as `ServerConfig(extra_args=..., env=...)` when starting it.
+GRPO_VLLM_SERVER_ARGS = [
+    "--weight-transfer-config",
+    '{"backend": "nccl"}',
+    "--logprobs-mode",
+    "processed_logprobs",
+    "--max-logprobs",
+    "-1",
+]
+GRPO_VLLM_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+
 
 def load_env(name: str, **config: Any) -> HermesAgentBaseEnv:
     """An environment by registry name, set up (its task stream ready)."""
@@ -152,9 +164,14 @@ class RewardDistributionWarning(TrainerCallback):
 
 
 def grpo_args(cfg: RunnerConfig, output_dir: str) -> Any:
-    """TRL `GRPOConfig` from the runner knobs (profile-aware; vLLM on GPUs)."""
+    """TRL `GRPOConfig` from the runner knobs."""
     from trl import GRPOConfig
 
+    return GRPOConfig(**grpo_kwargs(cfg, output_dir))
+
+
+def grpo_kwargs(cfg: RunnerConfig, output_dir: str) -> dict[str, Any]:
+    """`GRPOConfig` fields for the profile (pure, so the GPU profile is checked on CPU machines)."""
     args: dict[str, Any] = {
         "output_dir": output_dir,
         "max_steps": cfg.total_steps,
@@ -183,7 +200,7 @@ def grpo_args(cfg: RunnerConfig, output_dir: str) -> Any:
             args.update(use_vllm=True, vllm_mode=cfg.vllm_mode)
             if cfg.vllm_mode == "server":
                 args["vllm_server_base_url"] = cfg.vllm_server_base_url
-    return GRPOConfig(**args)
+    return args
 
 
 def task_dataset(env: HermesAgentBaseEnv, num_tasks: int) -> Any:

@@ -171,3 +171,20 @@ def test_run_grpo_stores_a_checkpoint_with_lineage(
     assert manifest.params["kl_beta"] == 0.04
     run_dir = next(tmp_path.glob("run-*"))
     assert (run_dir / "metrics.jsonl").exists() and any((run_dir / "rollouts").iterdir())
+
+
+def test_grpo_vllm_generation_server_command(tiny_model: Path) -> None:
+    from inference import ServerConfig, build_command
+    from training.grpo import GRPO_VLLM_SERVER_ARGS, GRPO_VLLM_SERVER_ENV
+
+    config = ServerConfig(model=str(tiny_model), backend="vllm", tool_call_parser=None, tensor_parallel_size=2,
+                          extra_args=GRPO_VLLM_SERVER_ARGS, env=GRPO_VLLM_SERVER_ENV)  # fmt: skip
+    command = build_command(config, 8000)
+    assert command[:2] == ["vllm", "serve"] and "--enable-auto-tool-choice" not in command
+    assert command[-6:] == GRPO_VLLM_SERVER_ARGS and config.env == {"VLLM_SERVER_DEV_MODE": "1"}
+    from training.grpo import grpo_kwargs
+
+    args = grpo_kwargs(RunnerConfig(profile="h100", use_vllm=True, vllm_mode="server",
+                                  vllm_server_base_url="http://127.0.0.1:8000"), "/tmp/x")  # fmt: skip
+    assert args["use_vllm"] and args["vllm_mode"] == "server" and args["bf16"] and "use_cpu" not in args
+    assert args["vllm_server_base_url"] == "http://127.0.0.1:8000" and args["beta"] == 0.04
