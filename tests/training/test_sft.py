@@ -121,3 +121,15 @@ def test_nan_guard_stops_a_poisoned_run_and_keeps_the_last_good_checkpoint(tiny_
     weights = load_file(str(run.checkpoints / "checkpoint-4" / "model.safetensors"))
     assert all(torch.isfinite(w).all() for w in weights.values())
     assert all(math.isfinite(m["loss"]) for m in run.read_metrics() if "loss" in m and m["step"] <= 5)
+
+
+def test_wandb_reporting_works_offline_without_a_key(
+    model_store: ArtifactStore, sft_rows: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    cfg = SFTRunConfig(dataset=str(sft_rows), max_steps=2, batch_size=2, max_length=128, report_to=["wandb"],
+                       logs_root=str(tmp_path / "logs"), output_name="sft-wandb")  # fmt: skip
+    assert run_sft(cfg, model_store).metrics["steps"] == 2
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
