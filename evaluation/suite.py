@@ -1,0 +1,149 @@
+"""The shipped offline lm-eval suite: tool-call formatting, tool selection, and a little reasoning.
+
+Items are generated deterministically (seeded) from the environments' vocabulary, carry
+`category` and `difficulty` in the doc (for weakness mining), and are written as lm-eval YAML +
+JSONL into a folder that `--include_path` / `TaskManager(include_path=...)` reads; the same items
+are stored as an `evalset` artifact (lineage and decontamination of training data).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+from data import ArtifactStore, Manifest
+
+SUITE_VERSION = 1
+SUITE_TASKS = ("flywheel_tool_call", "flywheel_tool_select", "flywheel_reasoning")
+TOOLS = ("terminal", "read_file", "write_file", "list_files", "open_url")
+_SYSTEM = (
+    "You can call these tools: terminal(command), read_file(path), write_file(path, content), list_files(path), "
+    'open_url(url). To call one, reply with <tool_call>{"name": ..., "arguments": {...}}</tool_call>.'
+)
+_DIRS = ("src", "docs", "app/core", "tests", "data/raw", "pkg/util/io")
+_FILES = ("notes.md", "config.json", "main.py", "report.csv", "todo.txt", "setup.cfg")
+_WORDS = ("alpha", "ready", "draft", "done", "pending", "ok")
+
+
+def _path(rng: random.Random, difficulty: str) -> str:
+    depth = {"easy": 0, "medium": 1, "hard": 2}[difficulty]
+    parts = [rng.choice(_DIRS) for _ in range(depth)]
+    return "/".join([*parts, rng.choice(_FILES)]) if parts else rng.choice(_FILES)
+
+
+def _tool_call_item(rng: random.Random, index: int) -> dict[str, Any]:
+    difficulty = ("easy", "medium", "hard")[index % 3]
+    tool = TOOLS[index % len(TOOLS)]
+    path = _path(rng, difficulty)
+    word = rng.choice(_WORDS)
+    distractor = " The user is in a hurry." if difficulty == "hard" else ""
+    intents = {
+        "read_file": (f"Show me the contents of {path}.", {"path": path}),
+        "write_file": (f"Create the file {path} containing exactly: {word}", {"path": path, "content": word}),
+        "list_files": (
+            f"List the files in the folder {path.rsplit('/', 1)[0] if '/' in path else '.'}.",
+            {"path": path.rsplit("/", 1)[0] if "/" in path else "."},
+        ),  # fmt: skip
+        "terminal": (f"Run the shell command `wc -l {path}`.", {"command": f"wc -l {path}"}),
+        "open_url": (f"Open the web page http://127.0.0.1:8000/{word}.", {"url": f"http://127.0.0.1:8000/{word}"}),
+    }
+    request, arguments = intents[tool]
+    return {
+        "prompt": f"{_SYSTEM}\n\nTask: {request}{distractor}",
+        "target": json.dumps({"name": tool, "arguments": arguments}),
+        "category": f"tool_call/{tool}",
+        "difficulty": difficulty,
+    }
+
+
+def _tool_select_item(rng: random.Random, index: int) -> dict[str, Any]:
+    item = _tool_call_item(rng, index)
+    tool = json.loads(item["target"])["name"]
+    request = item["prompt"].split("Task: ", 1)[1]
+    return {
+        "prompt": f"Which tool should be used for this task? {request}\nAnswer:",
+        "choices": list(TOOLS),
+        "target": TOOLS.index(tool),
+        "category": f"tool_select/{tool}",
+        "difficulty": item["difficulty"],
+    }
+
+
+def _reasoning_item(rng: random.Random, index: int) -> dict[str, Any]:
+    difficulty = ("easy", "medium", "hard")[index % 3]
+    a, b, c = rng.randint(2, 9), rng.randint(2, 9), rng.randint(2, 5)
+    if difficulty == "easy":
+        question, answer = f"A box has {a} pens and {b} more are added. How many pens are in the box?", a + b
+    elif difficulty == "medium":
+        question, answer = f"A shelf holds {a} rows of {b} books. How many books are on the shelf?", a * b
+    else:
+        question = f"There are {a} bags with {b} marbles each; {c} marbles are lost. How many marbles remain?"
+        answer = a * b - c
+    return {
+        "prompt": f"{question} Answer with a number only.",
+        "target": str(answer),
+        "category": "reasoning/arithmetic",
+        "difficulty": difficulty,
+    }
+
+
+def suite_items(size: int = 30, seed: int = 0) -> dict[str, list[dict[str, Any]]]:
+    """The suite's items per task (deterministic in `seed`)."""
+    builders = {
+        "flywheel_tool_call": _tool_call_item,
+        "flywheel_tool_select": _tool_select_item,
+        "flywheel_reasoning": _reasoning_item,
+    }
+    return {
+        task: [build(random.Random(f"{task}:{seed}:{i}"), i) for i in range(size)] for task, build in builders.items()
+    }
+
+
+def _yaml(task: str, data_file: Path) -> str:
+    common = (
+        f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data_file}\n"
+        f"test_split: test\ndoc_to_text: '{{{{prompt}}}}'\nmetadata:\n  version: {SUITE_VERSION}\n"
+    )
+    if task == "flywheel_tool_select":
+        return common + (
+            "output_type: multiple_choice\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{target}}'\n"
+            "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+        )
+    scorer = "process_tool_call" if task == "flywheel_tool_call" else "process_number"
+    metrics = "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+    if task == "flywheel_tool_call":
+        metrics += "  - metric: valid_call\n    aggregation: mean\n    higher_is_better: true\n"
+    return common + (
+        "output_type: generate_until\ndoc_to_target: '{{target}}'\n"
+        "generation_kwargs:\n  until: ['<|im_end|>', '</tool_call>\\n\\n']\n  max_gen_toks: 64\n  do_sample: false\n"
+        f"process_results: !function utils.{scorer}\nmetric_list:\n{metrics}"
+    )
+
+
+def write_suite(folder: Path, size: int = 30, seed: int = 0) -> Path:
+    """Write the suite (YAML, JSONL, utils.py) into `folder` for lm-eval's include path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for task, items in suite_items(size, seed).items():
+        data_file = (folder / f"{task}.jsonl").resolve()
+        data_file.write_text("".join(json.dumps(item) + "\n" for item in items))
+        (folder / f"{task}.yaml").write_text(_yaml(task, data_file))
+    shutil.copy(Path(__file__).parent / "tasks" / "utils.py", folder / "utils.py")
+    return folder
+
+
+def store_suite(store: ArtifactStore, size: int = 30, seed: int = 0) -> Manifest:
+    """The suite's items as an `evalset` artifact (reused when identical)."""
+    files = {
+        f"{task}.jsonl": "".join(json.dumps(i) + "\n" for i in items) for task, items in suite_items(size, seed).items()
+    }
+    params = {"suite_version": SUITE_VERSION, "size": size, "seed": seed}
+    try:
+        existing = store.manifest("evalset/flywheel-suite")
+        if existing.params == params:
+            return existing
+    except Exception:  # noqa: BLE001 - absent ref: build it.
+        pass
+    return store.put("evalset", "flywheel-suite", files, params=params)
