@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from data import ArtifactStore, Manifest
+from data import ArtifactNotFound, ArtifactStore, Manifest
 
 SUITE_VERSION = 1
 SUITE_TASKS = ("flywheel_tool_call", "flywheel_tool_select", "flywheel_reasoning")
@@ -39,14 +39,12 @@ def _tool_call_item(rng: random.Random, index: int) -> dict[str, Any]:
     tool = TOOLS[index % len(TOOLS)]
     path = _path(rng, difficulty)
     word = rng.choice(_WORDS)
+    folder = path.rsplit("/", 1)[0] if "/" in path else "."
     distractor = " The user is in a hurry." if difficulty == "hard" else ""
     intents = {
         "read_file": (f"Show me the contents of {path}.", {"path": path}),
         "write_file": (f"Create the file {path} containing exactly: {word}", {"path": path, "content": word}),
-        "list_files": (
-            f"List the files in the folder {path.rsplit('/', 1)[0] if '/' in path else '.'}.",
-            {"path": path.rsplit("/", 1)[0] if "/" in path else "."},
-        ),  # fmt: skip
+        "list_files": (f"List the files in the folder {folder}.", {"path": folder}),
         "terminal": (f"Run the shell command `wc -l {path}`.", {"command": f"wc -l {path}"}),
         "open_url": (f"Open the web page http://127.0.0.1:8000/{word}.", {"url": f"http://127.0.0.1:8000/{word}"}),
     }
@@ -142,8 +140,8 @@ def store_suite(store: ArtifactStore, size: int = 30, seed: int = 0) -> Manifest
     params = {"suite_version": SUITE_VERSION, "size": size, "seed": seed}
     try:
         existing = store.manifest("evalset/flywheel-suite")
-        if existing.params == params:
-            return existing
-    except Exception:  # noqa: BLE001 - absent ref: build it.
-        pass
+    except ArtifactNotFound:
+        existing = None
+    if existing is not None and existing.params == params:
+        return existing
     return store.put("evalset", "flywheel-suite", files, params=params)
