@@ -402,6 +402,17 @@ def _use_aiohttp_clients(servers: list[Any]) -> None:
             )
 
 
+def server_configs(base_url: str, model_name: str, api_key_env: str | None = None) -> list[APIServerConfig]:
+    """Atropos server configs for an OpenAI-compatible endpoint; the key is read from `api_key_env`."""
+    api_key = os.environ.get(api_key_env, "") if api_key_env else "local"
+    return [
+        APIServerConfig(
+            base_url=base_url, model_name=model_name, api_key=api_key, server_type="openai", health_check=False,
+            timeout=600,
+        )
+    ]  # fmt: skip
+
+
 def default_tokenizer() -> str:
     """A local tokenizer dir (`FLYWHEEL_TOKENIZER`, set by the flows) or the hub id offline caches use."""
     return os.environ.get("FLYWHEEL_TOKENIZER", "HuggingFaceTB/SmolLM2-135M-Instruct")

@@ -110,8 +110,12 @@ def run_lm_eval(cfg: LMEvalConfig, store: ArtifactStore, model_dir: Path, model_
     for task, records in samples.items():
         files[f"samples/{task}.jsonl"] = "".join(json.dumps(_sample(task, r), default=str) + "\n" for r in records)
     parents = [evalset.id] + ([model_ref] if model_ref else [])
-    metrics = {f"{task}/{key.split(',')[0]}": value for task, values in summary["results"].items()
-               for key, value in values.items() if isinstance(value, int | float) and "stderr" not in key}  # fmt: skip
+    metrics = {
+        f"{task}/{key.split(',')[0]}": value
+        for task, values in summary["results"].items()
+        for key, value in values.items()
+        if isinstance(value, int | float) and "stderr" not in key
+    }
     metrics["wall_seconds"] = round(time.perf_counter() - started, 1)
     manifest = store.put("eval", cfg.name, files, parents=parents, params=cfg.model_dump(), metrics=metrics)
     logger.info("lm-eval %s: %s", cfg.name, {k: round(v, 3) for k, v in metrics.items()})

@@ -1,0 +1,146 @@
+"""Agentic evaluation: every environment's `evaluate` (full agent loop, temperature 0) on its fixed
+held-out tasks against a served model; success per env / category / difficulty, turns, tool errors."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import logging
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from data import ArtifactNotFound, ArtifactStore, Manifest
+from environments.hermes_base_env import server_configs
+
+logger = logging.getLogger(__name__)
+
+ENVIRONMENTS = {
+    "tool_use_chain": "environments.tool_use_chain:ToolUseChainEnv",
+    "web_navigation": "environments.web_navigation:WebNavigationEnv",
+    "swe_bench": "environments.swe_bench:SWEBenchEnv",
+    "long_horizon": "environments.long_horizon:LongHorizonEnv",
+}
+
+
+class AgenticEvalConfig(BaseModel):
+    """Which envs, how many held-out tasks, which endpoint."""
+
+    envs: list[str] = Field(default=list(ENVIRONMENTS), description="Environments to evaluate.")
+    eval_size: int = Field(default=8, ge=1, description="Held-out tasks per env (the env's eval seed).")
+    max_agent_turns: int | None = Field(default=None, ge=1, description="Override the envs' turn limits.")
+    max_token_length: int = Field(default=256, ge=8, description="Tokens per model reply.")
+    base_url: str = Field(description="OpenAI-compatible endpoint serving the model.")
+    model_name: str = Field(description="Model name the endpoint expects.")
+    api_key_env: str | None = Field(default=None, description="Environment variable holding the API key.")
+    tokenizer: str = Field(description="Local tokenizer dir (for the envs).")
+    teacher: str = Field(default="server", description="`oracle` evaluates the oracle instead (a ceiling).")
+    name: str = Field(default="agentic", description="Name of the eval artifact.")
+
+
+def held_out_items(env_name: str, eval_size: int, tokenizer: str) -> list[dict[str, Any]]:
+    """The env's fixed held-out tasks (its eval seed), as stored for lineage and decontamination."""
+    env = _env(env_name, tokenizer_name=tokenizer, eval_size=eval_size)
+    asyncio.run(env.setup())
+    try:
+        return [
+            {
+                "item_id": i["item_id"],
+                "prompt": env.format_prompt(i),
+                "category": i["category"],
+                "difficulty": i["difficulty"],
+            }
+            for i in env.eval_items
+        ]
+    finally:
+        asyncio.run(env.teardown())
+
+
+def store_agentic_evalset(store: ArtifactStore, cfg: AgenticEvalConfig) -> Manifest:
+    files = {
+        f"{name}.jsonl": "".join(json.dumps(i) + "\n" for i in held_out_items(name, cfg.eval_size, cfg.tokenizer))
+        for name in cfg.envs
+    }
+    params = {"envs": cfg.envs, "eval_size": cfg.eval_size}
+    try:
+        existing = store.manifest("evalset/agentic")
+    except ArtifactNotFound:
+        existing = None
+    if existing is not None and existing.params == params:
+        return existing
+    return store.put("evalset", "agentic", files, params=params)
+
+
+def run_agentic_eval(cfg: AgenticEvalConfig, store: ArtifactStore, model_ref: str | None = None) -> Manifest:
+    """Evaluate every env, aggregate, and store an `eval` artifact (results.json + samples per env)."""
+    started = time.perf_counter()
+    evalset = store_agentic_evalset(store, cfg)
+    files: dict[str, str] = {}
+    per_env: dict[str, dict[str, float]] = {}
+    all_samples: list[dict[str, Any]] = []
+    for name in cfg.envs:
+        with tempfile.TemporaryDirectory() as out:
+            overrides: dict[str, Any] = {
+                "tokenizer_name": cfg.tokenizer,
+                "eval_size": cfg.eval_size,
+                "data_dir_to_save_evals": out,
+                "max_token_length": cfg.max_token_length,
+                "teacher": cfg.teacher,
+            }
+            if cfg.max_agent_turns:
+                overrides["max_agent_turns"] = cfg.max_agent_turns
+            env = _env(name, server_configs=server_configs(cfg.base_url, cfg.model_name, cfg.api_key_env), **overrides)
+            per_env[name] = asyncio.run(_evaluate(env))
+            samples = [json.loads(line) for line in Path(out, "samples.jsonl").read_text().splitlines()]
+        files[f"samples/{name}.jsonl"] = "".join(json.dumps(s) + "\n" for s in samples)
+        all_samples.extend(samples)
+    results = {"per_env": per_env, **aggregate(all_samples)}
+    files["results.json"] = json.dumps(results, indent=2)
+    metrics = {"success_rate": results["overall"]["success_rate"], "n": results["overall"]["n"]}
+    metrics |= {f"{env}/success_rate": m["eval/success_rate"] for env, m in per_env.items()}
+    metrics["wall_seconds"] = round(time.perf_counter() - started, 1)
+    parents = [evalset.id] + ([model_ref] if model_ref else [])
+    manifest = store.put("eval", cfg.name, files, parents=parents, params=cfg.model_dump(), metrics=metrics)
+    logger.info("agentic eval %s: success %.2f over %d tasks", cfg.name, metrics["success_rate"], metrics["n"])
+    return manifest
+
+
+async def _evaluate(env: Any) -> dict[str, float]:
+    await env.setup()
+    try:
+        return await env.run_agentic_eval(env.eval_items)
+    finally:
+        await env.teardown()
+
+
+def aggregate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Success rate, turns and tool errors overall and per env / category / difficulty."""
+
+    def summary(group: list[dict[str, Any]]) -> dict[str, float]:
+        scored = [s for s in group if s.get("reward") is not None]
+        n = len(scored) or 1
+        return {
+            "n": len(scored),
+            "success_rate": sum(bool(s["success"]) for s in scored) / n,
+            "mean_reward": sum(s["reward"] for s in scored) / n,
+            "mean_turns": sum(s.get("turns_used", 0) for s in scored) / n,
+            "tool_errors_per_task": sum(len(s.get("tool_errors") or []) for s in scored) / n,
+            "infra_failures": len(group) - len(scored),
+        }
+
+    slices: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for sample in samples:
+        slices[f"{sample['env']}/{sample['category']}/{sample['difficulty']}"].append(sample)
+    return {"overall": summary(samples), "per_slice": {k: summary(v) for k, v in sorted(slices.items())}}
+
+
+def _env(name: str, **config: Any) -> Any:
+    if name not in ENVIRONMENTS:
+        raise ValueError(f"unknown environment '{name}'; known: {', '.join(ENVIRONMENTS)}")
+    module, _, cls = ENVIRONMENTS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)(**config)

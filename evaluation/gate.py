@@ -1,0 +1,133 @@
+"""The promotion gate: a candidate becomes `champion` only if it wins on the same eval sets.
+
+Per-item successes of candidate and champion are paired by (env, item_id). The primary metric
+(overall agentic success) must improve with paired-bootstrap confidence; no guarded metric (each
+env's success rate, each lm-eval task's accuracy) may drop by more than `tolerance`. The decision
+and its numbers are stored as a `gate` artifact, and `champion` moves by compare-and-swap.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import defaultdict
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from data import ArtifactNotFound, ArtifactStore, Manifest
+
+
+class GateConfig(BaseModel):
+    tolerance: float = Field(default=0.05, ge=0, description="Max allowed drop of any guarded metric.")
+    confidence: float = Field(default=0.9, gt=0.5, lt=1, description="Bootstrap P(candidate > champion) required.")
+    bootstrap: int = Field(default=2000, ge=100, description="Bootstrap resamples.")
+    seed: int = Field(default=0, description="Bootstrap seed.")
+
+
+def paired_outcomes(store: ArtifactStore, eval_ref: str) -> dict[str, dict[str, float]]:
+    """`{metric group: {item key: success}}` from an eval artifact's samples."""
+    manifest = store.manifest(eval_ref)
+    groups: dict[str, dict[str, float]] = defaultdict(dict)
+    for relpath in sorted(p for p in manifest.files if p.startswith("samples/")):
+        for line in store.read_bytes(manifest.id, relpath).decode().splitlines():
+            sample = json.loads(line)
+            if "env" in sample:
+                if sample.get("reward") is None:
+                    continue
+                key, value = f"{sample['env']}:{sample['item_id']}", float(bool(sample["success"]))
+                groups["primary"][key] = value
+                groups[f"env/{sample['env']}"][key] = value
+            else:
+                groups[f"task/{sample['task']}"][str(sample["doc_id"])] = float(bool(sample["success"]))
+    return groups
+
+
+def decide(
+    candidate: dict[str, dict[str, float]], champion: dict[str, dict[str, float]], config: GateConfig | None = None
+) -> dict[str, Any]:
+    """Promote or not, with the numbers: primary difference and its bootstrap confidence, guard deltas."""
+    config = config or GateConfig()
+    rng = random.Random(config.seed)
+    shared = sorted(set(candidate.get("primary", {})) & set(champion.get("primary", {})))
+    if not shared:
+        return {"promote": False, "reason": "no shared primary items between candidate and champion"}
+    diffs = [candidate["primary"][k] - champion["primary"][k] for k in shared]
+    mean = sum(diffs) / len(diffs)
+    wins = sum(sum(rng.choice(diffs) for _ in diffs) > 0 for _ in range(config.bootstrap))
+    p_better = wins / config.bootstrap
+    guards = {}
+    for group in sorted(set(candidate) & set(champion) - {"primary"}):
+        keys = set(candidate[group]) & set(champion[group])
+        if keys:
+            delta = sum(candidate[group][k] - champion[group][k] for k in keys) / len(keys)
+            guards[group] = {"delta": round(delta, 4), "n": len(keys), "regressed": delta < -config.tolerance}
+    regressed = [g for g, v in guards.items() if v["regressed"]]
+    promote = mean > 0 and p_better >= config.confidence and not regressed
+    if promote:
+        reason = f"primary +{mean:.3f} (P(better)={p_better:.2f}), no guard dropped more than {config.tolerance}"
+    elif regressed:
+        reason = f"guarded metrics regressed beyond {config.tolerance}: {', '.join(regressed)}"
+    else:
+        reason = f"primary change {mean:+.3f} with P(better)={p_better:.2f} < {config.confidence}"
+    return {
+        "promote": promote,
+        "reason": reason,
+        "primary_delta": round(mean, 4),
+        "p_better": round(p_better, 4),
+        "n_shared": len(shared),
+        "guards": guards,
+    }
+
+
+def gate(
+    store: ArtifactStore,
+    candidate_evals: list[str],
+    candidate_model: str,
+    config: GateConfig | None = None,
+    name: str = "gate",
+) -> Manifest:
+    """Compare with the champion's evals (first round: promote), record the decision, move `champion`."""
+    candidate = _merge(store, candidate_evals)
+    try:
+        champion_model = store.resolve("champion")
+    except ArtifactNotFound:
+        champion_model = None
+    champion_evals = _evals_of(store, champion_model) if champion_model else []
+    if champion_model is None:
+        decision = {"promote": True, "reason": "no champion yet: the first candidate becomes champion"}
+    else:
+        decision = decide(candidate, _merge(store, champion_evals), config)
+    candidate_id = store.resolve(candidate_model)
+    candidate_eval_ids = [store.resolve(r) for r in candidate_evals]
+    decision |= {"candidate": candidate_id, "champion_before": champion_model, "candidate_evals": candidate_eval_ids}
+    parents = candidate_eval_ids + champion_evals + [candidate_id]
+    manifest = store.put(
+        "gate",
+        name,
+        {"decision.json": json.dumps(decision, indent=2)},
+        parents=parents,
+        params=(config or GateConfig()).model_dump(),
+        metrics={"promote": decision["promote"]},
+    )
+    if decision["promote"]:
+        store.set_ref("champion", candidate_id, expected=champion_model)
+        store.set_ref("champion-evals", manifest.id)
+    return manifest
+
+
+def _merge(store: ArtifactStore, refs: list[str]) -> dict[str, dict[str, float]]:
+    merged: dict[str, dict[str, float]] = defaultdict(dict)
+    for ref in refs:
+        for group, values in paired_outcomes(store, ref).items():
+            merged[group].update(values)
+    return merged
+
+
+def _evals_of(store: ArtifactStore, model_id: str) -> list[str]:
+    """The eval artifacts the gate recorded when `model_id` was promoted."""
+    try:
+        decision = store.read_json("champion-evals", "decision.json")
+    except ArtifactNotFound:
+        return []
+    return decision["candidate_evals"] if decision.get("candidate") == model_id else []

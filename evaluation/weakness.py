@@ -1,0 +1,167 @@
+"""Weakness mining: where does the model fail, with what confidence, and what to generate next.
+
+Samples (agentic and lm-eval, flattened to `{source, category, difficulty, success, errors}`) are
+grouped into slices — (source, category, difficulty), (source, category), tool, and error type —
+each with its failure rate and a Wilson 95 % interval on success. A slice is flagged weak when it
+has at least `min_samples` samples and the *upper* bound of its success rate is under
+`threshold`: we are confident it is bad. Flagged env slices up-weight the next round's task mix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from data import ArtifactStore, Manifest
+
+
+class MiningConfig(BaseModel):
+    threshold: float = Field(default=0.5, gt=0, le=1, description="Weak: success upper bound below this.")
+    min_samples: int = Field(default=5, ge=1, description="Slices with fewer samples are never flagged.")
+    boost: float = Field(default=3.0, ge=0, description="Task-mix weight added per unit of failure rate.")
+    exemplars: int = Field(default=3, ge=0, description="Failure examples kept per weak slice.")
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval for a success rate.
+
+    >>> tuple(round(x, 3) for x in wilson(0, 10))
+    (0.0, 0.278)
+    """
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def flatten(source_kind: str, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Agentic samples (`env`, `reward`, `tool_errors`) or lm-eval samples (`task`, `success`) -> one shape."""
+    out = []
+    for s in samples:
+        if source_kind == "agentic" and s.get("reward") is None:
+            continue  # Infra failures say nothing about the model.
+        errors = [_error_type(e.get("error", "")) for e in s.get("tool_errors") or []]
+        out.append(
+            {
+                "source": s.get("env") or s.get("task") or "unknown",
+                "category": s.get("category") or "unknown",
+                "difficulty": s.get("difficulty") or "unknown",
+                "success": bool(s.get("success")),
+                "errors": errors,
+                "item_id": s.get("item_id") or s.get("doc_id"),
+                "excerpt": _excerpt(s),
+            }
+        )
+    return out
+
+
+def mine(
+    samples: list[dict[str, Any]], config: MiningConfig | None = None, previous: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Ranked slices, the weak ones with exemplars, the next task mix, and per-slice history."""
+    config = config or MiningConfig()
+    slices: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for s in samples:
+        slices[f"{s['source']}|{s['category']}|{s['difficulty']}"].append(s)
+        slices[f"{s['source']}|{s['category']}|*"].append(s)
+        for error in set(s["errors"]):
+            slices[f"{s['source']}|error:{error}|*"].append(s)
+    rows = []
+    for key, group in slices.items():
+        n, wins = len(group), sum(s["success"] for s in group)
+        low, high = wilson(wins, n)
+        if key.split("|")[1].startswith("error:"):  # Share of tasks hitting this error: success = not hitting it.
+            n_all = len([s for s in samples if s["source"] == key.split("|")[0]])
+            low, high = wilson(n_all - n, n_all)
+            n, wins = n_all, n_all - n
+        weak = n >= config.min_samples and high < config.threshold
+        rows.append(
+            {
+                "slice": key,
+                "n": n,
+                "success_rate": wins / n if n else 0.0,
+                "failure_rate": 1 - wins / n if n else 0.0,
+                "success_ci95": [round(low, 4), round(high, 4)],
+                "weak": weak,
+                "exemplars": [s["excerpt"] for s in group if not s["success"]][: config.exemplars] if weak else [],
+            }
+        )
+    rows.sort(key=lambda r: (not r["weak"], r["success_ci95"][1], -r["n"], r["slice"]))
+    history = dict((previous or {}).get("history", {}))
+    for row in rows:
+        history[row["slice"]] = [*history.get(row["slice"], []), round(row["failure_rate"], 4)]
+    return {
+        "slices": rows,
+        "weak": [r["slice"] for r in rows if r["weak"]],
+        "task_mix": task_mix(rows, config),
+        "history": history,
+    }
+
+
+def task_mix(rows: list[dict[str, Any]], config: MiningConfig) -> dict[str, dict[str, float]]:
+    """Per env, sampling weights for 'category/difficulty' slices: 1 + boost x failure rate if weak."""
+    mix: dict[str, dict[str, float]] = defaultdict(dict)
+    for row in rows:
+        source, category, difficulty = row["slice"].split("|")
+        if difficulty == "*" or category.startswith(("error:", "tool_call/", "tool_select/", "reasoning/")):
+            continue
+        weight = 1.0 + (config.boost * row["failure_rate"] if row["weak"] else 0.0)
+        mix[source][f"{category}/{difficulty}"] = round(weight, 4)
+    return dict(mix)
+
+
+def mine_to_store(
+    store: ArtifactStore, eval_refs: list[str], config: MiningConfig | None = None, name: str = "weaknesses"
+) -> Manifest:
+    """Mine every sample of the given eval artifacts; store weaknesses.json and task_mix.json."""
+    samples = []
+    for ref in eval_refs:
+        manifest = store.manifest(ref)
+        for relpath in sorted(p for p in manifest.files if p.startswith("samples/")):
+            records = [json.loads(line) for line in store.read_bytes(manifest.id, relpath).decode().splitlines()]
+            kind = "agentic" if records and "env" in records[0] else "lm-eval"
+            samples.extend(flatten(kind, records))
+    try:
+        previous = store.read_json(f"weaknesses/{name}", "weaknesses.json")
+    except Exception:
+        previous = None
+    result = mine(samples, config, previous)
+    files = {"weaknesses.json": json.dumps(result, indent=2), "task_mix.json": json.dumps(result["task_mix"], indent=2)}
+    parents = [store.resolve(ref) for ref in eval_refs]
+    metrics = {"weak_slices": len(result["weak"]), "samples": len(samples)}
+    return store.put(
+        "weaknesses", name, files, parents=parents, params=(config or MiningConfig()).model_dump(), metrics=metrics
+    )
+
+
+def _error_type(error: str) -> str:
+    text = error.lower()
+    for key, label in (
+        ("unknown tool", "unknown_tool"),
+        ("outside the workspace", "path_escape"),
+        ("missing required", "missing_argument"),
+        ("could not parse", "parse_error"),
+        ("not valid json", "parse_error"),
+        ("no such file", "missing_file"),
+    ):
+        if key in text:
+            return label
+    return "other"
+
+
+def _excerpt(sample: dict[str, Any]) -> dict[str, Any]:
+    messages = sample.get("messages") or []
+    last = next((m.get("content") for m in reversed(messages) if m.get("role") == "assistant"), None)
+    return {
+        "item_id": sample.get("item_id") or sample.get("doc_id"),
+        "prompt": (sample.get("prompt") or next((m.get("content") for m in messages if m.get("role") == "user"), ""))[
+            :300
+        ],
+        "response": str(last if last is not None else sample.get("response"))[:300],
+    }

@@ -1,0 +1,122 @@
+"""Weakness mining ranks a planted weak slice first and up-weights it; the gate refuses a planted
+regression and accepts a planted improvement."""
+
+from __future__ import annotations
+
+import doctest
+import json
+import random
+
+from data import ArtifactStore
+from evaluation import weakness
+from evaluation.gate import GateConfig, decide, gate
+from evaluation.weakness import MiningConfig, flatten, mine, mine_to_store
+
+
+def _samples(rates: dict[tuple[str, str, str], float], n: int = 20, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for (env, category, difficulty), rate in rates.items():
+        for i in range(n):
+            ok = rng.random() < rate
+            out.append(
+                {
+                    "env": env,
+                    "item_id": f"{env}-{category}-{difficulty}-{i}",
+                    "category": category,
+                    "difficulty": difficulty,
+                    "reward": float(ok),
+                    "success": ok,
+                    "turns_used": 3,
+                    "tool_errors": [] if ok else [{"error": "unknown tool 'x'"}],
+                    "messages": [{"role": "user", "content": "task"}, {"role": "assistant", "content": "no"}],
+                }
+            )
+    return out
+
+
+PLANTED = {
+    ("tool_use_chain", "todo_report", "easy"): 0.95,
+    ("tool_use_chain", "todo_report", "hard"): 0.05,  # The planted weak slice.
+    ("tool_use_chain", "csv_summary", "easy"): 0.9,
+    ("swe_bench", "off_by_one", "medium"): 0.8,
+}
+
+
+def test_wilson_doc_example() -> None:
+    assert doctest.testmod(weakness).failed == 0
+
+
+def test_miner_ranks_the_planted_weak_slice_first_and_upweights_it() -> None:
+    result = mine(flatten("agentic", _samples(PLANTED)), MiningConfig(threshold=0.5, min_samples=5))
+    assert result["slices"][0]["slice"] == "tool_use_chain|todo_report|hard"
+    assert result["slices"][0]["weak"] and result["slices"][0]["exemplars"]
+    assert "tool_use_chain|todo_report|easy" not in result["weak"]
+    mix = result["task_mix"]["tool_use_chain"]
+    assert mix["todo_report/hard"] > 3.0 and mix["todo_report/easy"] == 1.0
+    assert "tool_use_chain|error:unknown_tool|*" in {r["slice"] for r in result["slices"]}
+
+
+def test_small_slices_are_never_flagged() -> None:
+    result = mine(flatten("agentic", _samples({("x", "c", "easy"): 0.0}, n=3)), MiningConfig(min_samples=5))
+    assert result["weak"] == []
+
+
+def test_mining_tracks_slices_across_rounds(store: ArtifactStore) -> None:
+    first = store.put("eval", "agentic", {"samples/tool_use_chain.jsonl": _jsonl(_samples(PLANTED))})
+    mine_to_store(store, [first.id])
+    better = dict(PLANTED) | {("tool_use_chain", "todo_report", "hard"): 0.6}
+    second = store.put("eval", "agentic", {"samples/tool_use_chain.jsonl": _jsonl(_samples(better, seed=1))})
+    manifest = mine_to_store(store, [second.id])
+    history = store.read_json(manifest.id, "weaknesses.json")["history"]["tool_use_chain|todo_report|hard"]
+    assert len(history) == 2 and history[1] < history[0]
+    assert manifest.parents == [second.id]
+    assert json.loads(store.read_bytes(manifest.id, "task_mix.json"))["tool_use_chain"]
+
+
+def _jsonl(rows: list[dict]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def _outcomes(rates: dict[str, float], n: int = 60, seed: int = 0) -> dict[str, dict[str, float]]:
+    rng = random.Random(seed)
+    groups: dict[str, dict[str, float]] = {"primary": {}}
+    for env, rate in rates.items():
+        groups[f"env/{env}"] = {}
+        for i in range(n):
+            value = float(rng.random() < rate)
+            groups["primary"][f"{env}:{i}"] = value
+            groups[f"env/{env}"][f"{env}:{i}"] = value
+    return groups
+
+
+def test_gate_accepts_an_improvement_and_refuses_a_regression() -> None:
+    champion = _outcomes({"a": 0.3, "b": 0.6})
+    better = _outcomes({"a": 0.8, "b": 0.62}, seed=1)
+    worse_guard = _outcomes({"a": 0.95, "b": 0.2}, seed=2)  # Primary up, env b collapses.
+    assert decide(better, champion)["promote"]
+    refused = decide(worse_guard, champion, GateConfig(tolerance=0.05))
+    assert not refused["promote"] and "env/b" in refused["reason"] and refused["guards"]["env/b"]["regressed"]
+    assert not decide(champion, better)["promote"]
+
+
+def test_gate_moves_the_champion_ref_and_records_the_decision(store: ArtifactStore) -> None:
+    weak, strong = store.put("checkpoint", "m1", {"w": b"1"}), store.put("checkpoint", "m2", {"w": b"2"})
+    base = {("tool_use_chain", "todo_report", "easy"): 0.3}
+    e1 = store.put("eval", "agentic", {"samples/tool_use_chain.jsonl": _jsonl(_samples(base, n=60))})
+    first = gate(store, [e1.id], weak.id)
+    assert store.resolve("champion") == weak.id and store.read_json(first.id, "decision.json")["promote"]
+    e2 = store.put(
+        "eval",
+        "agentic",
+        {
+            "samples/tool_use_chain.jsonl": _jsonl(
+                _samples({("tool_use_chain", "todo_report", "easy"): 0.9}, n=60, seed=3)
+            )
+        },
+    )
+    second = gate(store, [e2.id], strong.id)
+    assert store.read_json(second.id, "decision.json")["promote"] and store.resolve("champion") == strong.id
+    e3 = store.put("eval", "agentic", {"samples/tool_use_chain.jsonl": _jsonl(_samples(base, n=60, seed=4))})
+    third = gate(store, [e3.id], weak.id)
+    assert not store.read_json(third.id, "decision.json")["promote"] and store.resolve("champion") == strong.id
