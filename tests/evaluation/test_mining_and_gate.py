@@ -4,6 +4,7 @@ regression and accepts a planted improvement."""
 from __future__ import annotations
 
 import doctest
+import io
 import json
 import random
 
@@ -120,3 +121,29 @@ def test_gate_moves_the_champion_ref_and_records_the_decision(store: ArtifactSto
     e3 = store.put("eval", "agentic", {"samples/tool_use_chain.jsonl": _jsonl(_samples(base, n=60, seed=4))})
     third = gate(store, [e3.id], weak.id)
     assert not store.read_json(third.id, "decision.json")["promote"] and store.resolve("champion") == strong.id
+
+
+def test_report_renders_html_and_non_empty_plots(store: ArtifactStore) -> None:
+    from PIL import Image
+
+    from evaluation.report import build_report
+
+    evals = store.put(
+        "eval",
+        "agentic",
+        {"samples/tool_use_chain.jsonl": _jsonl(_samples(PLANTED))},
+        metrics={"tool_use_chain/success_rate": 0.4},
+    )
+    weak = mine_to_store(store, [evals.id])
+    checkpoint = store.put("checkpoint", "m", {"w": b"1"})
+    decision = gate(store, [evals.id], checkpoint.id)
+    report = build_report(store, [evals.id, weak.id, decision.id], "r1")
+    assert {"report.html", "summary.md", "success_per_env.png", "reward_distribution.png", "weakest_slices.png"} <= set(
+        report.files
+    )
+    for png in ("success_per_env.png", "reward_distribution.png", "weakest_slices.png"):
+        image = Image.open(io.BytesIO(store.read_bytes(report.id, png))).convert("L")
+        assert image.size[0] > 100 and len(set(image.getdata())) > 5  # Something was drawn.
+    text = store.read_bytes(report.id, "summary.md").decode()
+    assert "tool_use_chain|todo_report|hard" in text and "PROMOTED" in text
+    assert "<img" in store.read_bytes(report.id, "report.html").decode()
