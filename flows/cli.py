@@ -28,6 +28,7 @@ from data import ArtifactStore, LineageNode, StoreError, lineage
 from inference import ModelServer, ServerConfig, ServerError, build_command, chat
 from training import BUILTIN_MODELS, ModelError, prepare_model, resolve_model
 from training.config import ConfigError
+from training.models import default_cache_dir
 
 app = typer.Typer(help="A data flywheel for tool-using LLM agents.", no_args_is_help=True)
 model_app = typer.Typer(help="Prepare built-in models.", no_args_is_help=True)
@@ -277,6 +278,71 @@ def _train(config: Path, overrides: list[str] | None, algorithm: str | None) -> 
     except ValueError as err:
         raise ConfigError(str(err)) from err
     console.print(f"checkpoint/{manifest.name} = {manifest.id[:12]}  {json.dumps(manifest.metrics)}")
+
+
+# -- evaluation --------------------------------------------------------------------------------
+
+
+@app.command("eval")
+def evaluate(
+    model: Annotated[str, typer.Option("--model", help="smollm2 | tiny | store ref | local dir.")],
+    tasks: Annotated[list[str] | None, typer.Option("--tasks", help="lm-eval task names (default: the suite).")] = None,
+    include_path: Annotated[Path | None, typer.Option("--include-path", help="Folder of user task YAML.")] = None,
+    server: Annotated[str | None, typer.Option("--server", help="OpenAI-compatible URL of a served model.")] = None,
+    backend: Annotated[str | None, typer.Option(help="hf | vllm | local-completions | local-chat-completions.")] = None,
+    limit: Annotated[int | None, typer.Option(help="Docs per task.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Fixed batch size.")] = 8,
+) -> None:
+    """Benchmark a model with lm-evaluation-harness (the shipped suite, user tasks, or bundled ones)."""
+    from evaluation.lm_eval_runner import LMEvalConfig, model_ref_of, run_lm_eval
+    from evaluation.suite import SUITE_TASKS
+
+    store = state.store
+    model_dir = resolve_model(model, store)
+    server_model = None
+    if server:
+        from inference import wait_until_healthy
+
+        server_model = wait_until_healthy(server.rstrip("/"), 30)
+    try:
+        cfg = LMEvalConfig(
+            backend=backend or ("local-chat-completions" if server else "hf"),
+            tasks=tasks or list(SUITE_TASKS),
+            include_path=str(include_path.resolve()) if include_path else None,
+            server_url=server,
+            server_model=server_model,
+            limit=limit,
+            batch_size=batch_size,
+        )
+        manifest = run_lm_eval(cfg, store, model_dir, model_ref_of(store, model))
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    table = Table("task", "metric", "value")
+    for task, values in store.read_json(manifest.id, "results.json")["results"].items():
+        for key, value in values.items():
+            if isinstance(value, float) and "stderr" not in key:
+                table.add_row(task, key.split(",")[0], f"{value:.3f}")
+    console.print(table)
+    console.print(f"eval/{manifest.name} = {manifest.id[:12]}")
+
+
+@app.command("report")
+def report(
+    refs: Annotated[list[str], typer.Argument(help="Eval, weaknesses, gate or rollouts refs; or a round number.")],
+    name: Annotated[str | None, typer.Option(help="Report name.")] = None,
+) -> None:
+    """Build a round's HTML report (plots, summary, samples) and print where it is."""
+    from evaluation.report import build_report
+
+    store = state.store
+    if len(refs) == 1 and refs[0].isdigit():
+        suffix = f"-r{refs[0]}"
+        refs = [m.id for m in store.list() if m.name.endswith(suffix) and m.kind in ("eval", "weaknesses", "gate")]
+        if not refs:
+            raise StoreError(f"no eval, weaknesses or gate artifacts named *{suffix} in {store.url}")
+    manifest = build_report(store, refs, name or "report")
+    out = store.materialize(manifest.id, default_cache_dir() / "reports")
+    console.print(f"report/{manifest.name} = {manifest.id[:12]}: {out / 'report.html'}")
 
 
 def main() -> None:
