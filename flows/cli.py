@@ -292,13 +292,21 @@ def evaluate(
     backend: Annotated[str | None, typer.Option(help="hf | vllm | local-completions | local-chat-completions.")] = None,
     limit: Annotated[int | None, typer.Option(help="Docs per task.")] = None,
     batch_size: Annotated[int, typer.Option(help="Fixed batch size.")] = 8,
+    suite: Annotated[str, typer.Option(help="flywheel (lm-eval suite) | agentic (the envs) | all.")] = "flywheel",
+    eval_size: Annotated[int, typer.Option(help="agentic: held-out tasks per env.")] = 8,
 ) -> None:
-    """Benchmark a model with lm-evaluation-harness (the shipped suite, user tasks, or bundled ones)."""
+    """Evaluate a model: lm-evaluation-harness (shipped suite, user or bundled tasks) and/or the envs."""
     from evaluation.lm_eval_runner import LMEvalConfig, model_ref_of, run_lm_eval
     from evaluation.suite import SUITE_TASKS
 
+    if suite not in ("flywheel", "agentic", "all"):
+        raise ConfigError(f"unknown suite '{suite}': choose flywheel, agentic or all")
     store = state.store
     model_dir = resolve_model(model, store)
+    if suite in ("agentic", "all"):
+        _agentic_eval(model, model_dir, server, eval_size)
+        if suite == "agentic":
+            return
     server_model = None
     if server:
         from inference import wait_until_healthy
@@ -324,6 +332,23 @@ def evaluate(
                 table.add_row(task, key.split(",")[0], f"{value:.3f}")
     console.print(table)
     console.print(f"eval/{manifest.name} = {manifest.id[:12]}")
+
+
+def _agentic_eval(model: str, model_dir: Path, server: str | None, eval_size: int) -> None:
+    from evaluation.agentic import AgenticEvalConfig, run_agentic_eval
+    from evaluation.lm_eval_runner import model_ref_of
+    from inference import wait_until_healthy
+
+    store = state.store
+    with contextlib.ExitStack() as stack:
+        if server is None:
+            started = stack.enter_context(ModelServer(_server_config(model, "transformers", "127.0.0.1", 0, 1)))
+            server, name = started.base_url, started.model_name
+        else:
+            name = wait_until_healthy(server.rstrip("/"), 30)
+        cfg = AgenticEvalConfig(base_url=server, model_name=name, tokenizer=str(model_dir), eval_size=eval_size)
+        manifest = run_agentic_eval(cfg, store, model_ref_of(store, model))
+    console.print(f"eval/{manifest.name} = {manifest.id[:12]}  {json.dumps(manifest.metrics)}")
 
 
 @app.command("report")
