@@ -27,7 +27,7 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/flywheel model prepare smollm2
 	$(VENV)/bin/flywheel chat smollm2 "What is the capital of France?"
-	$(VENV)/bin/flywheel artifacts ls
+	$(VENV)/bin/flywheel round --quick
 
 test: install
 	$(VENV)/bin/ruff check .

@@ -370,6 +370,24 @@ def report(
     console.print(f"report/{manifest.name} = {manifest.id[:12]}: {out / 'report.html'}")
 
 
+# -- the flywheel --------------------------------------------------------------------------------
+
+
+@app.command("round")
+def run_round(
+    rounds: Annotated[int, typer.Option(help="Rounds to run.")] = 1,
+    quick: Annotated[bool, typer.Option(help="The tiny model, minutes instead of the SmolLM2 default.")] = False,
+) -> None:
+    """Run flywheel rounds locally (Prefect flow `flywheel`, every stage in-process)."""
+    from flows.round import flywheel
+
+    report_id = flywheel(rounds=rounds, profile="quick" if quick else "default", store_url=state.store_url)
+    store = state.store
+    out = store.materialize(report_id, default_cache_dir() / "reports")
+    console.print(store.read_bytes(report_id, "summary.md").decode(), soft_wrap=True, highlight=False)
+    console.print(f"report: {out / 'report.html'}")
+
+
 def main() -> None:
     """Entry point: run the app, turning user errors into one line and exit code 1."""
     try:
