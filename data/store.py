@@ -254,6 +254,15 @@ class ArtifactStore:
         known = ", ".join(sorted(self.refs())[:10]) or "none yet"
         raise ArtifactNotFound(f"unknown artifact ref '{ref}' in {self.url} (refs: {known})")
 
+    def try_resolve(self, *refs: str) -> str | None:
+        """The manifest id of the first ref that exists, else None (e.g. `model/<spec>`, then `<spec>`)."""
+        for ref in refs:
+            try:
+                return self.resolve(ref)
+            except ArtifactNotFound:
+                continue
+        return None
+
     def set_ref(self, name: str, target: str, expected: str | object | None = ...) -> None:
         """Point ref `name` at `target` (a ref or id). With `expected`, only if it currently points there.
 

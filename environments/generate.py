@@ -6,7 +6,6 @@ The actor is the env's oracle (teacher data for a first round) or an OpenAI-comp
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import tempfile
 from pathlib import Path
@@ -14,13 +13,7 @@ from typing import Any
 
 from data import ArtifactStore, Manifest
 from environments.hermes_base_env import server_configs
-
-ENVIRONMENTS = {
-    "tool_use_chain": "environments.tool_use_chain:ToolUseChainEnv",
-    "web_navigation": "environments.web_navigation:WebNavigationEnv",
-    "swe_bench": "environments.swe_bench:SWEBenchEnv",
-    "long_horizon": "environments.long_horizon:LongHorizonEnv",
-}
+from environments.registry import env_class
 
 
 def generate_rollouts(
@@ -40,11 +33,10 @@ def generate_rollouts(
     **env_config: Any,
 ) -> Manifest:
     """Run `groups` groups of `group_size` rollouts and store the JSONL (+ stats) as a `rollouts` artifact."""
-    module, _, cls = ENVIRONMENTS[env_name].partition(":")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, f"{env_name}.jsonl")
         servers = server_configs(base_url, model_name or "teacher") if base_url else None
-        env = getattr(importlib.import_module(module), cls)(
+        env = env_class(env_name)(
             server_configs=servers,
             tokenizer_name=tokenizer,
             teacher=teacher,

@@ -4,7 +4,6 @@ held-out tasks against a served model; success per env / category / difficulty, 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import logging
 import tempfile
@@ -17,21 +16,15 @@ from pydantic import BaseModel, Field
 
 from data import ArtifactNotFound, ArtifactStore, Manifest
 from environments.hermes_base_env import server_configs
+from environments.registry import TASK_FAMILIES, env_class
 
 logger = logging.getLogger(__name__)
-
-ENVIRONMENTS = {
-    "tool_use_chain": "environments.tool_use_chain:ToolUseChainEnv",
-    "web_navigation": "environments.web_navigation:WebNavigationEnv",
-    "swe_bench": "environments.swe_bench:SWEBenchEnv",
-    "long_horizon": "environments.long_horizon:LongHorizonEnv",
-}
 
 
 class AgenticEvalConfig(BaseModel):
     """Which envs, how many held-out tasks, which endpoint."""
 
-    envs: list[str] = Field(default=list(ENVIRONMENTS), description="Environments to evaluate.")
+    envs: list[str] = Field(default=list(TASK_FAMILIES), description="Environments to evaluate.")
     eval_size: int = Field(default=8, ge=1, description="Held-out tasks per env (the env's eval seed).")
     max_agent_turns: int | None = Field(default=None, ge=1, description="Override the envs' turn limits.")
     max_token_length: int = Field(default=256, ge=8, description="Tokens per model reply.")
@@ -140,7 +133,4 @@ def aggregate(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _env(name: str, **config: Any) -> Any:
-    if name not in ENVIRONMENTS:
-        raise ValueError(f"unknown environment '{name}'; known: {', '.join(ENVIRONMENTS)}")
-    module, _, cls = ENVIRONMENTS[name].partition(":")
-    return getattr(importlib.import_module(module), cls)(**config)
+    return env_class(name)(**config)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from data import ArtifactNotFound, ArtifactStore, Manifest
+from data import ArtifactStore, Manifest
 from evaluation.suite import SUITE_TASKS, store_suite, write_suite
 
 logger = logging.getLogger(__name__)
@@ -142,9 +142,4 @@ def _sample(task: str, record: dict[str, Any]) -> dict[str, Any]:
 
 def model_ref_of(store: ArtifactStore, spec: str) -> str | None:
     """The store id behind a model spec (None for plain directories)."""
-    for ref in (f"model/{spec}", spec):
-        try:
-            return store.resolve(ref)
-        except ArtifactNotFound:
-            continue
-    return None
+    return store.try_resolve(f"model/{spec}", spec)

@@ -14,15 +14,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from environments.registry import ENVIRONMENTS
+
 logger = logging.getLogger(__name__)
 
-ENVIRONMENTS = {
-    "tool_use_chain": "environments.tool_use_chain:ToolUseChainEnv",
-    "swe_bench": "environments.swe_bench:SWEBenchEnv",
-    "long_horizon": "environments.long_horizon:LongHorizonEnv",
-    "web_navigation": "environments.web_navigation:WebNavigationEnv",
-    "file_stats": "environments.custom.file_stats_env:FileStatsEnv",
-}
 MIN_KL_BETA = 0.01
 
 

@@ -10,7 +10,6 @@ no learning signal).
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import logging
 import sys
@@ -23,9 +22,10 @@ from transformers import TrainerCallback
 from data import ArtifactStore, Manifest
 from environments.agent_loop import AgentResult
 from environments.hermes_base_env import HermesAgentBaseEnv, _prepare_workspace
+from environments.registry import env_class
 from environments.tool_context import ToolContext
 from environments.tools import TOOLSETS
-from training.config import ENVIRONMENTS, RunnerConfig
+from training.config import RunnerConfig
 from training.models import resolve_model
 from training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
 
@@ -47,8 +47,7 @@ GRPO_VLLM_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
 def load_env(name: str, **config: Any) -> HermesAgentBaseEnv:
     """An environment by registry name, set up (its task stream ready)."""
-    module, _, cls = ENVIRONMENTS[name].partition(":")
-    env = getattr(importlib.import_module(module), cls)(**config)
+    env = env_class(name)(**config)
     asyncio.run(env.setup())
     return env
 
@@ -245,7 +244,6 @@ def save_checkpoint(
 ) -> Manifest:
     """Save the trained policy and mirror the run folder into the store, with lineage and figures."""
     from training.models import TRAINING_TEMPLATE_FILE
-    from training.sft import _model_artifact
 
     final_dir = run.checkpoints / "final"
     trainer.save_model(str(final_dir))
@@ -263,7 +261,14 @@ def save_checkpoint(
         "wall_seconds": round(time.perf_counter() - started, 1),
         "device": "cpu" if cfg.profile == "cpu" else "cuda",
     }
-    parents = [p for p in (_model_artifact(store, cfg.policy_model), cfg.dataset and store.resolve(cfg.dataset)) if p]
+    parents = [
+        p
+        for p in (
+            store.try_resolve(f"model/{cfg.policy_model}", cfg.policy_model),
+            cfg.dataset and store.resolve(cfg.dataset),
+        )
+        if p
+    ]
     params = json.loads(cfg.model_dump_json())
     manifest = store.put("checkpoint", cfg.output_name, final_dir, parents=parents, params=params, metrics=metrics)
     store.put("run", cfg.output_name, run.path, parents=[manifest.id], metrics=metrics)

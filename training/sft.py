@@ -177,7 +177,7 @@ def run_sft(cfg: SFTRunConfig, store: ArtifactStore) -> Manifest:
         else "cuda",
         "device_count": 1 if cfg.profile == "cpu" else max(1, torch.cuda.device_count()),
     }
-    parents = [p for p in (dataset_id, _model_artifact(store, cfg.model)) if p]
+    parents = [p for p in (dataset_id, store.try_resolve(f"model/{cfg.model}", cfg.model)) if p]
     manifest = store.put(
         "checkpoint",
         cfg.output_name,
@@ -197,18 +197,6 @@ def run_sft(cfg: SFTRunConfig, store: ArtifactStore) -> Manifest:
         seconds,
     )
     return manifest
-
-
-def _model_artifact(store: ArtifactStore, spec: str) -> str | None:
-    """The store id behind a model spec, for lineage (None for plain directories and hub ids)."""
-    from data import ArtifactNotFound
-
-    for ref in (f"model/{spec}", spec):
-        try:
-            return store.resolve(ref)
-        except ArtifactNotFound:
-            continue
-    return None
 
 
 def launch_command(config_file: str, num_gpus: int, deepspeed: str | None = "zero3") -> list[str]:
