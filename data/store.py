@@ -8,6 +8,7 @@ Layout under the root::
     blobs/sha256/ab/abcdef...      immutable file contents, named by their sha256
     manifests/<id>.json            immutable manifests, named by the sha256 of their bytes
     refs/<name>.json               movable pointers (`champion`, `model/smollm2`, user tags)
+    prefect-results/               the flows' task cache (see flows/dispatch.py), nothing else reads it
 
 Writes go blobs -> manifest -> ref, so a crash at any point leaves no ref to a missing manifest
 and no manifest with a missing blob; at worst an unreferenced blob remains.
@@ -223,6 +224,19 @@ class ArtifactStore:
 
     def _manifest_path(self, manifest_id: str) -> str:
         return f"{self.root}/manifests/{manifest_id}.json"
+
+    def manifest_url(self, ref: str) -> str:
+        """The manifest's URL (`file://` or `s3://`): what links in reports and in the UI point at."""
+        return self.fs.unstrip_protocol(self._manifest_path(self.resolve(ref)))
+
+    @property
+    def root_url(self) -> str:
+        """The store's absolute URL (`file:///abs/path` or `s3://bucket/prefix`), the same from any cwd."""
+        return self.fs.unstrip_protocol(self.root)
+
+    def sibling_url(self, name: str) -> str:
+        """URL of a folder beside blobs/manifests/refs, for state that must live and die with the store."""
+        return f"{self.root_url}/{name}"
 
     def manifest(self, ref: str) -> Manifest:
         """The manifest a ref, id or id prefix points to."""

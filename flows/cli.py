@@ -376,12 +376,25 @@ def report(
 @app.command("round")
 def run_round(
     rounds: Annotated[int, typer.Option(help="Rounds to run.")] = 1,
-    quick: Annotated[bool, typer.Option(help="The tiny model, minutes instead of the SmolLM2 default.")] = False,
+    quick: Annotated[bool, typer.Option(help="Profile `quick`: the tiny model, minutes instead of SmolLM2.")] = False,
+    profile: Annotated[str, typer.Option(help="default | quick | tiny.")] = "default",
+    dispatch: Annotated[str, typer.Option(help="local (in-process) | deployments (each stage on its pool).")] = "local",
+    first_round: Annotated[
+        int | None, typer.Option(help="Start here (default: after the last finished round).")
+    ] = None,
 ) -> None:
-    """Run flywheel rounds locally (Prefect flow `flywheel`, every stage in-process)."""
-    from flows.round import flywheel
+    """Run flywheel rounds (Prefect flow `flywheel`); a re-run skips the stages that already finished."""
+    from flows.flywheel import flywheel
+    from flows.profiles import PROFILES
 
-    report_id = flywheel(rounds=rounds, profile="quick" if quick else "default", store_url=state.store_url)
+    profile = "quick" if quick else profile
+    if profile not in PROFILES:
+        raise ConfigError(f"unknown profile '{profile}': choose {', '.join(PROFILES)}")
+    if dispatch not in ("local", "deployments"):
+        raise ConfigError(f"unknown dispatch '{dispatch}': choose local or deployments")
+    report_id = flywheel(
+        rounds=rounds, profile=profile, store_url=state.store_url, dispatch=dispatch, first_round=first_round
+    )
     store = state.store
     out = store.materialize(report_id, default_cache_dir() / "reports")
     console.print(store.read_bytes(report_id, "summary.md").decode(), soft_wrap=True, highlight=False)

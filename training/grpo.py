@@ -213,7 +213,7 @@ def task_dataset(env: HermesAgentBaseEnv, num_tasks: int) -> Any:
     return Dataset.from_list(rows)
 
 
-def run_grpo(cfg: RunnerConfig, store: ArtifactStore) -> Manifest:
+def run_grpo(cfg: RunnerConfig, store: ArtifactStore, callbacks: list[Any] | None = None) -> Manifest:
     """load -> build -> run -> save: GRPO on the configured env; the checkpoint goes to the store."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -233,7 +233,7 @@ def run_grpo(cfg: RunnerConfig, store: ArtifactStore) -> Manifest:
         train_dataset=task_dataset(env, cfg.num_tasks),
         processing_class=tokenizer,
         environment_factory=lambda: SandboxToolEnv(env),
-        callbacks=[MetricsCallback(run), NonFiniteGuard(), RewardDistributionWarning()],
+        callbacks=[MetricsCallback(run), NonFiniteGuard(), RewardDistributionWarning(), *(callbacks or [])],
     )
     trainer.train()
     return save_checkpoint(store, trainer, tokenizer, run, cfg, model_dir, started)

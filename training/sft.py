@@ -131,7 +131,7 @@ def trainer_args(cfg: SFTRunConfig, output_dir: Path) -> Any:
     return SFTConfig(**common)
 
 
-def run_sft(cfg: SFTRunConfig, store: ArtifactStore) -> Manifest:
+def run_sft(cfg: SFTRunConfig, store: ArtifactStore, callbacks: list[Any] | None = None) -> Manifest:
     """load -> build -> run -> save: a `checkpoint` artifact whose parents are the dataset and base model."""
     import torch
     from datasets import Dataset
@@ -152,7 +152,7 @@ def run_sft(cfg: SFTRunConfig, store: ArtifactStore) -> Manifest:
         args=trainer_args(cfg, run.checkpoints),
         train_dataset=data,
         processing_class=tokenizer,
-        callbacks=[MetricsCallback(run), NonFiniteGuard()],
+        callbacks=[MetricsCallback(run), NonFiniteGuard(), *(callbacks or [])],
     )
     result = trainer.train()
     final_dir = run.checkpoints / "final"

@@ -1,0 +1,32 @@
+"""Round profiles: how big each stage of a flywheel round is (a Pydantic model, a form in the UI)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+ProfileName = Literal["default", "quick", "tiny"]
+
+
+class RoundProfile(BaseModel):
+    """Sizes of one round; `default`, `quick` and `tiny` are the shipped presets."""
+
+    model: str = Field(default="smollm2", description="Base model when there is no champion yet.")
+    env: str = Field(default="tool_use_chain", description="Environment of this round.")
+    groups: int = Field(default=24, ge=1, description="Teacher groups to generate.")
+    sft_steps: int = Field(default=8, ge=1, description="SFT steps.")
+    sft_lr: float = Field(default=2e-4, gt=0, description="SFT learning rate.")
+    rl_steps: int = Field(default=2, ge=1, description="GRPO steps.")
+    eval_size: int = Field(default=8, ge=1, description="Held-out agentic tasks.")
+    max_tokens: int = Field(default=192, ge=8, description="Tokens per model reply in evaluation.")
+    difficulty: str | None = Field(default="easy", description="Task difficulty for this round.")
+    gpus: int = Field(default=1, ge=0, description="Slots of the `gpu` global concurrency limit a GPU stage takes.")
+
+
+PROFILES: dict[str, RoundProfile] = {
+    "default": RoundProfile(),
+    "quick": RoundProfile(model="tiny", groups=8, sft_steps=4, sft_lr=1e-3, rl_steps=1, eval_size=3, max_tokens=48),
+    # The smallest round that still runs every stage for real: tests and the overhead benchmark.
+    "tiny": RoundProfile(model="tiny", groups=4, sft_steps=2, sft_lr=1e-3, rl_steps=1, eval_size=2, max_tokens=16),
+}
