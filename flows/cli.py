@@ -37,6 +37,8 @@ app.add_typer(model_app, name="model")
 train_app = typer.Typer(help="Train: SFT, RL (GRPO) and DPO from a YAML config plus key=value overrides.")
 app.add_typer(artifacts_app, name="artifacts")
 app.add_typer(train_app, name="train")
+infra_app = typer.Typer(help="Prefect work pools, the GPU concurrency limit and failure alerts.", no_args_is_help=True)
+app.add_typer(infra_app, name="infra")
 
 console = Console()
 err_console = Console(stderr=True)
@@ -399,6 +401,19 @@ def run_round(
     out = store.materialize(report_id, default_cache_dir() / "reports")
     console.print(store.read_bytes(report_id, "summary.md").decode(), soft_wrap=True, highlight=False)
     console.print(f"report: {out / 'report.html'}")
+
+
+@infra_app.command("setup")
+def infra_setup(
+    kubernetes: Annotated[bool, typer.Option(help="Pool h100 as Kubernetes (deploy/h100-job-template.json).")] = False,
+    gpu_slots: Annotated[int, typer.Option(help="Size of the `gpu` global concurrency limit.")] = 8,
+    alert_url: Annotated[str | None, typer.Option(help="Webhook to POST to when a flywheel run fails.")] = None,
+) -> None:
+    """Create or update the pools `cpu` and `h100`, the `gpu` limit and the failure alert."""
+    from flows.infra import setup
+
+    for line in setup(kubernetes, gpu_slots, alert_url):
+        console.print(line)
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
@@ -81,6 +82,11 @@ class ReportParams(StageParams):
     refs: list[str] = Field(description="Eval, weaknesses and gate artifact ids.")
 
 
+def stage_flow(name: str) -> Callable[[Callable[..., str]], Any]:
+    """The stage decorator: run name `<stage>-r<round>`, result persisted (`run_deployment` reads it)."""
+    return flow(name=name, flow_run_name=stage_run_name(name), persist_result=True)
+
+
 @contextlib.contextmanager
 def gpu_slots(profile: RoundProfile) -> Iterator[None]:
     """Hold `profile.gpus` slots of the `gpu` limit (a no-op where no such limit is configured)."""
@@ -91,7 +97,7 @@ def gpu_slots(profile: RoundProfile) -> Iterator[None]:
         yield
 
 
-@flow(name="generate", flow_run_name=stage_run_name("generate"))
+@stage_flow("generate")
 def generate(params: GenerateParams) -> str:
     """Teacher rollouts (the env oracle) in `process` mode, steered by the last round's task mix."""
     p, store = params.profile, params.store()
@@ -111,7 +117,7 @@ def generate(params: GenerateParams) -> str:
     return manifest.id
 
 
-@flow(name="curate", flow_run_name=stage_run_name("curate"))
+@stage_flow("curate")
 def curate(params: CurateParams) -> str:
     """Rollouts -> SFT set and preference pairs, with their data cards."""
     sft_set, _ = curate_to_store(params.store(), [params.rollouts], f"round{params.round_no}")
@@ -119,7 +125,7 @@ def curate(params: CurateParams) -> str:
     return sft_set.id
 
 
-@flow(name="sft", flow_run_name=stage_run_name("sft"))
+@stage_flow("sft")
 def sft(params: SFTParams) -> str:
     """Supervised fine-tuning (TRL SFTTrainer) on the curated set."""
     p, store = params.profile, params.store()
@@ -140,7 +146,7 @@ def sft(params: SFTParams) -> str:
     return manifest.id
 
 
-@flow(name="rl", flow_run_name=stage_run_name("rl"))
+@stage_flow("rl")
 def rl(params: RLParams) -> str:
     """GRPO in the round's environment, KL to the SFT checkpoint."""
     p, store = params.profile, params.store()
@@ -164,7 +170,7 @@ def rl(params: RLParams) -> str:
     return manifest.id
 
 
-@flow(name="evaluate", flow_run_name=stage_run_name("evaluate"))
+@stage_flow("evaluate")
 def evaluate(params: EvaluateParams) -> str:
     """Serve the model and run the agentic evaluation on the env's held-out tasks."""
     p, store = params.profile, params.store()
@@ -185,7 +191,7 @@ def evaluate(params: EvaluateParams) -> str:
     return manifest.id
 
 
-@flow(name="gate", flow_run_name=stage_run_name("gate"))
+@stage_flow("gate")
 def promote(params: GateParams) -> str:
     """Promote the candidate to `champion` only when it wins (paired bootstrap + guards)."""
     store = params.store()
@@ -201,7 +207,7 @@ def promote(params: GateParams) -> str:
     return manifest.id
 
 
-@flow(name="mine", flow_run_name=stage_run_name("mine"))
+@stage_flow("mine")
 def mine(params: MineParams) -> str:
     """Failure slices with confidence intervals -> next round's task mix."""
     store = params.store()
@@ -213,7 +219,7 @@ def mine(params: MineParams) -> str:
     return manifest.id
 
 
-@flow(name="report", flow_run_name=stage_run_name("report"))
+@stage_flow("report")
 def report(params: ReportParams) -> str:
     """The round's HTML report; its markdown summary also goes to the UI."""
     store = params.store()

@@ -1,0 +1,79 @@
+"""The Prefect objects a flywheel needs besides its deployments: work pools, the GPU limit, alerts.
+
+Idempotent, so `flywheel infra setup` can run on every deploy. Locally both pools are `process`
+pools; on a cluster `h100` is a Kubernetes pool built from `deploy/h100-job-template.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from prefect.automations import Automation
+from prefect.blocks.webhook import Webhook
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate, WorkPoolCreate
+from prefect.events.actions import CallWebhook
+from prefect.events.schemas.automations import EventTrigger, Posture
+from prefect.exceptions import ObjectNotFound
+from prefect.workers.process import ProcessWorker
+
+from training.config import ConfigError
+
+H100_TEMPLATE = Path(__file__).resolve().parent.parent / "deploy" / "h100-job-template.json"
+GPU_LIMIT = "gpu"
+ALERT_NAME = "flywheel-failure-alert"
+ALERT_BLOCK = "flywheel-alerts"
+ALERT_PAYLOAD = (
+    '{"text": "flywheel: flow run {{ flow_run.name }} ({{ flow_run.id }}) ended {{ flow_run.state.name }}: '
+    '{{ flow_run.state.message }}"}'
+)
+
+
+def h100_job_template() -> dict[str, Any]:
+    """The Kubernetes base job template of the `h100` pool."""
+    return json.loads(H100_TEMPLATE.read_text())
+
+
+def setup(kubernetes: bool = False, gpu_slots: int = 8, alert_url: str | None = None) -> list[str]:
+    """Create or update pools `cpu` and `h100`, the `gpu` limit and (given a URL) the failure alert."""
+    if gpu_slots < 1:
+        raise ConfigError(f"gpu_slots must be at least 1, got {gpu_slots}")
+    done = []
+    with get_client(sync_client=True) as client:
+        process = ("process", ProcessWorker.get_default_base_job_template())
+        h100 = ("kubernetes", h100_job_template()) if kubernetes else process
+        for name, (kind, template) in (("cpu", process), ("h100", h100)):
+            client.create_work_pool(WorkPoolCreate(name=name, type=kind, base_job_template=template), overwrite=True)
+            done.append(f"work pool {name} ({kind})")
+        try:
+            client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+            client.update_global_concurrency_limit(GPU_LIMIT, GlobalConcurrencyLimitUpdate(limit=gpu_slots))
+        except ObjectNotFound:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=gpu_slots))
+        done.append(f"global concurrency limit {GPU_LIMIT} = {gpu_slots}")
+    if alert_url:
+        done.append(failure_alert(alert_url))
+    return done
+
+
+def failure_alert(url: str) -> str:
+    """An automation that POSTs to `url` when a flywheel-tagged flow run fails or crashes."""
+    block_id = Webhook(method="POST", url=url).save(ALERT_BLOCK, overwrite=True)
+    with get_client(sync_client=True) as client:
+        for existing in client.read_automations_by_name(name=ALERT_NAME):
+            client.delete_automation(existing.id)
+    Automation(
+        name=ALERT_NAME,
+        description="Tell someone when a flywheel stage fails.",
+        trigger=EventTrigger(
+            match={"prefect.resource.id": "prefect.flow-run.*"},
+            match_related={"prefect.resource.id": "prefect.tag.flywheel"},
+            expect={"prefect.flow-run.Failed", "prefect.flow-run.Crashed"},
+            posture=Posture.Reactive,
+            threshold=1,
+        ),
+        actions=[CallWebhook(block_document_id=block_id, payload=ALERT_PAYLOAD)],
+    ).create()
+    return f"automation {ALERT_NAME} -> {url}"
