@@ -62,7 +62,8 @@ class ArtifactStore:
         else:
             if not rest.strip("/"):
                 raise StoreError(f"store URL '{url}' names no bucket: use s3://BUCKET/PREFIX")
-            self.fs = fsspec.filesystem("s3", **storage_options)
+            # Other processes write to the same prefix (stages run on other workers): never trust a cached listing.
+            self.fs = fsspec.filesystem("s3", **{"use_listings_cache": False, **storage_options})
             self.root = rest.strip("/")
             self._check_bucket()
             self._refs = S3RefBackend(self.fs, f"{self.root}/refs")

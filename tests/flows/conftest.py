@@ -1,0 +1,34 @@
+"""A real local Prefect server for the flow tests (one per session: it takes seconds to start)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from flows.local_server import local_server
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """The environment (PREFECT_API_URL, PREFECT_HOME, ...) of a `prefect server start` on loopback."""
+    with local_server(tmp_path_factory.mktemp("prefect-home")) as env:
+        yield env
+
+
+def flow_runs(env: dict[str, str], **flow_run_filter: Any) -> list[dict[str, Any]]:
+    """Flow runs from the server's REST API (`flow_runs` filter body)."""
+    body = {"flow_runs": flow_run_filter} if flow_run_filter else {}
+    response = httpx.post(f"{env['PREFECT_API_URL']}/flow_runs/filter", json=body, timeout=10)
+    response.raise_for_status()
+    return response.json()
+
+
+def task_runs(env: dict[str, str], flow_run_id: str) -> list[dict[str, Any]]:
+    """Task runs of one flow run."""
+    body = {"task_runs": {"flow_run_id": {"any_": [flow_run_id]}}}
+    response = httpx.post(f"{env['PREFECT_API_URL']}/task_runs/filter", json=body, timeout=10)
+    response.raise_for_status()
+    return response.json()
