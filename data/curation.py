@@ -276,6 +276,9 @@ def curate_to_store(
     """Curate rollout artifacts into `dataset/<name>-sft` and `dataset/<name>-pairs` (with data cards)."""
     config = config or CurationConfig()
     groups = [group for ref in rollout_refs for group in read_groups(store, ref)]
+    # Groups are written in completion order; sorting makes the dataset (its hash, so every cache
+    # key downstream) depend on what was generated, not on which rollout finished first.
+    groups.sort(key=lambda group: str((group.get("meta") or {}).get("item_id", "")))
     texts, evalset_ids = eval_texts(store)
     result = curate(groups, texts, config)
     card = result.card()

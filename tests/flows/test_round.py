@@ -1,23 +1,88 @@
-"""One quick flywheel round through the Prefect flow: every stage runs and leaves its artifacts."""
+"""A flywheel round through the Prefect flow (local dispatch): every stage leaves its artifacts, and a
+round killed with SIGKILL in SFT resumes without recomputing what finished, to the same result."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 from data import ArtifactStore, lineage
-from tests.flows.test_cli import run
+from tests.flows.conftest import flow_runs, task_runs
+from tests.flows.test_cli import FLYWHEEL
+
+WEIGHTS = "model.safetensors"
 
 
-def test_quick_round_runs_every_stage(tmp_path: Path) -> None:
-    store_dir = tmp_path / "store"
-    result = run("--store", str(store_dir), "round", "--quick", env={"FLYWHEEL_CACHE": str(tmp_path / "cache")})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "report:" in result.stdout and "Promotion gate" in result.stdout
-    store = ArtifactStore(store_dir)
-    kinds = {m.kind for m in store.list()}
-    assert {"model", "rollouts", "dataset", "checkpoint", "eval", "gate", "weaknesses", "report"} <= kinds
-    report = store.manifest("report/round-1")
-    walked = {m.kind for m in lineage(store, report.id).walk()}
+def round_command(store: Path) -> list[str]:
+    return [FLYWHEEL, "--store", str(store), "round", "--profile", "tiny"]
+
+
+def test_a_round_killed_in_sft_resumes_without_recomputing(prefect_server: dict[str, str], tmp_path: Path) -> None:
+    env = {**prefect_server, "FLYWHEEL_CACHE": str(tmp_path / "cache"), "COLUMNS": "200"}
+
+    # An uninterrupted round: every stage, every artifact, the report.
+    whole = tmp_path / "whole"
+    done = subprocess.run(round_command(whole), env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "report:" in done.stdout and "Promotion gate" in done.stdout
+    store_a = ArtifactStore(whole)
+    assert {"model", "rollouts", "dataset", "checkpoint", "eval", "gate", "weaknesses", "report"} <= {
+        m.kind for m in store_a.list()
+    }
+    walked = {m.kind for m in lineage(store_a, "report/round-1").walk()}
     assert {"eval", "checkpoint", "dataset", "rollouts", "model"} <= walked  # report <- ... <- base model
-    assert store.resolve("champion")  # The base model was judged first and became champion.
-    assert store.verify() == []
+    assert store_a.resolve("champion") and store_a.verify() == []
+
+    # The same round, killed with SIGKILL while SFT runs.
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(
+        round_command(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.monotonic() + 300
+    while not any(r["name"] == "sft-r1" for r in flow_runs(prefect_server, state={"type": {"any_": ["RUNNING"]}})):
+        assert process.poll() is None and time.monotonic() < deadline, "the round never reached SFT"
+        time.sleep(0.1)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    store_b = ArtifactStore(killed)
+    assert store_b.try_resolve("checkpoint/sft-r1") is None, "SFT finished before the kill"
+    assert store_b.try_resolve("dataset/round1-sft") is not None
+
+    # Re-run: generate and curate come from the cache; SFT onwards runs.
+    again = subprocess.run(round_command(killed), env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    rerun = max(
+        (r for r in flow_runs(prefect_server) if r["name"] == "flywheel-tiny" and r["state_type"] == "COMPLETED"),
+        key=lambda r: r["start_time"],
+    )
+    states = {t["name"]: t["state"]["name"] for t in task_runs(prefect_server, rerun["id"])}
+    assert states["generate-r1"] == states["curate-r1"] == "Cached", states
+    assert "evaluate-r0" not in states and "gate-r0" not in states  # The base model's verdict is read from the store.
+    assert states["sft-r1"] == states["rl-r1"] == states["report-r1"] == "Completed", states
+    assert len(store_b.list("rollouts")) == 1  # Generated once, across both runs.
+    assert len([m for m in store_b.list("dataset") if m.name == "round1-sft"]) == 1
+
+    # ... to the same result as the uninterrupted round.
+    def digest(store: ArtifactStore, ref: str, path: str) -> str:
+        return store.manifest(ref).files[path].sha256
+
+    assert digest(store_a, "dataset/round1-sft", "train.jsonl") == digest(store_b, "dataset/round1-sft", "train.jsonl")
+    for ref in ("checkpoint/sft-r1", "checkpoint/rl-r1"):
+        assert digest(store_a, ref, WEIGHTS) == digest(store_b, ref, WEIGHTS), ref
+    untimed = {"wall_seconds": 0}
+    for ref in ("eval/agentic-r1", "gate/gate-r1"):
+        assert store_a.manifest(ref).metrics | untimed == store_b.manifest(ref).metrics | untimed, ref
+
+
+def test_a_finished_round_run_again_is_all_cache_hits(prefect_server: dict[str, str], tmp_path: Path) -> None:
+    """Round 1 again on a store that has it: nothing recomputes (the no-change re-run)."""
+    env = {**prefect_server, "FLYWHEEL_CACHE": str(tmp_path / "cache")}
+    store = tmp_path / "store"
+    assert subprocess.run(round_command(store), env=env, capture_output=True, timeout=600).returncode == 0
+    before = {m.id for m in ArtifactStore(store).list()}
+    again = subprocess.run([*round_command(store), "--first-round", "1"], env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert {m.id for m in ArtifactStore(store).list()} == before
