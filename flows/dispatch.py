@@ -20,7 +20,8 @@ from prefect.deployments import run_deployment
 from prefect.filesystems import RemoteFileSystem
 
 from data import ArtifactStore
-from flows.stages import STAGES, StageParams
+from flows.stages import STAGES
+from flows.work import StageParams
 
 Dispatch = Literal["local", "deployments"]
 DEPLOYMENT_NAME = "stage"  # Stage `sft` is deployment `sft/stage`.

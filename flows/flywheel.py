@@ -13,7 +13,8 @@ from data import ArtifactStore, lineage
 from evaluation.lm_eval_runner import model_ref_of
 from flows.dispatch import Dispatch, result_storage, run_stage
 from flows.profiles import PROFILES, ProfileName, RoundProfile
-from flows.stages import (
+from flows.stages import evaluate
+from flows.work import (
     CurateParams,
     EvaluateParams,
     GateParams,
@@ -22,7 +23,6 @@ from flows.stages import (
     ReportParams,
     RLParams,
     SFTParams,
-    evaluate,
 )
 from training.config import ConfigError
 from training.models import prepare_model

@@ -1,0 +1,160 @@
+"""Each stage's library calls, with no Prefect: what the stage flows run, and what the overhead
+benchmark runs as its plain-script baseline (so the two measure the same work)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from data import ArtifactStore, Manifest
+from data.curation import curate_to_store
+from environments.generate import generate_rollouts
+from evaluation.agentic import AgenticEvalConfig, run_agentic_eval
+from evaluation.gate import gate
+from evaluation.lm_eval_runner import model_ref_of
+from evaluation.report import build_report
+from evaluation.weakness import mine_to_store
+from flows.profiles import RoundProfile
+from inference import ModelServer, ServerConfig
+from training.config import RunnerConfig
+from training.grpo import run_grpo
+from training.models import resolve_model
+from training.sft import SFTRunConfig, run_sft
+
+
+class StageParams(BaseModel):
+    """What every stage gets: where the store is, which round, how big."""
+
+    store_url: str | None = Field(default=None, description="Artifact store (default: $FLYWHEEL_STORE or ./.flywheel).")
+    round_no: int = Field(default=1, ge=0, description="Round number (run names, artifact names).")
+    profile: RoundProfile = Field(default_factory=RoundProfile, description="Sizes of the round.")
+
+    def store(self) -> ArtifactStore:
+        return ArtifactStore(self.store_url)
+
+
+class GenerateParams(StageParams):
+    tokenizer_model: str = Field(description="Model ref whose tokenizer scores the rollouts.")
+    task_mix: dict[str, float] | None = Field(default=None, description="Category weights from the last mining.")
+
+
+class CurateParams(StageParams):
+    rollouts: str = Field(description="Rollouts artifact id.")
+
+
+class SFTParams(StageParams):
+    base: str = Field(description="Model artifact id to fine-tune.")
+    dataset: str = Field(description="SFT dataset artifact id.")
+
+
+class RLParams(StageParams):
+    policy: str = Field(description="Checkpoint artifact id to start GRPO from.")
+
+
+class EvaluateParams(StageParams):
+    model: str = Field(description="Model or checkpoint ref to evaluate.")
+    name: str = Field(description="Name of the eval artifact.")
+
+
+class GateParams(StageParams):
+    evals: list[str] = Field(description="Eval artifact ids of the candidate.")
+    candidate: str = Field(description="Candidate model artifact id.")
+
+
+class MineParams(StageParams):
+    evals: list[str] = Field(description="Eval artifact ids to mine.")
+
+
+class ReportParams(StageParams):
+    refs: list[str] = Field(description="Eval, weaknesses and gate artifact ids.")
+
+
+def generate(params: GenerateParams) -> Manifest:
+    """Teacher rollouts (the env oracle) in `process` mode, steered by the last round's task mix."""
+    p, store = params.profile, params.store()
+    return generate_rollouts(
+        store,
+        p.env,
+        groups=p.groups,
+        group_size=2,
+        tokenizer=str(resolve_model(params.tokenizer_model, store)),
+        teacher="oracle",
+        task_mix=params.task_mix,
+        seed=params.round_no,
+        name=f"{p.env}-r{params.round_no}",
+        difficulty=p.difficulty,
+    )
+
+
+def curate(params: CurateParams) -> Manifest:
+    """Rollouts -> SFT set (returned) and preference pairs, with their data cards."""
+    return curate_to_store(params.store(), [params.rollouts], f"round{params.round_no}")[0]
+
+
+def sft(params: SFTParams, callbacks: list[Any] | None = None) -> Manifest:
+    """Supervised fine-tuning (TRL SFTTrainer) on the curated set."""
+    p = params.profile
+    cfg = SFTRunConfig(
+        model=params.base,
+        dataset=params.dataset,
+        max_steps=p.sft_steps,
+        learning_rate=p.sft_lr,
+        batch_size=4,
+        max_length=640,
+        num_threads=2,
+        output_name=f"sft-r{params.round_no}",
+    )
+    return run_sft(cfg, params.store(), callbacks=callbacks)
+
+
+def rl(params: RLParams, callbacks: list[Any] | None = None) -> Manifest:
+    """GRPO in the round's environment, KL to the SFT checkpoint."""
+    p = params.profile
+    cfg = RunnerConfig(
+        policy_model=params.policy,
+        envs=[p.env],
+        difficulty=p.difficulty,
+        total_steps=p.rl_steps,
+        batch_size=4,
+        num_rollouts_per_task=2,
+        max_completion_length=128,
+        max_tool_calls=4,
+        num_tasks=16,
+        output_name=f"rl-r{params.round_no}",
+        num_threads=2,
+    )
+    return run_grpo(cfg, params.store(), callbacks=callbacks)
+
+
+def evaluate(params: EvaluateParams) -> Manifest:
+    """Serve the model and run the agentic evaluation on the env's held-out tasks."""
+    p, store = params.profile, params.store()
+    model_dir = resolve_model(params.model, store)
+    with ModelServer(ServerConfig(model=str(model_dir))) as server:
+        cfg = AgenticEvalConfig(
+            envs=[p.env],
+            eval_size=p.eval_size,
+            max_token_length=p.max_tokens,
+            base_url=server.base_url,
+            model_name=server.model_name or "",
+            tokenizer=str(model_dir),
+            max_agent_turns=6,
+            name=params.name,
+        )
+        return run_agentic_eval(cfg, store, model_ref_of(store, params.model))
+
+
+def promote(params: GateParams) -> Manifest:
+    """Promote the candidate to `champion` only when it wins (paired bootstrap + guards)."""
+    return gate(params.store(), params.evals, params.candidate, name=f"gate-r{params.round_no}")
+
+
+def mine(params: MineParams) -> Manifest:
+    """Failure slices with confidence intervals -> next round's task mix."""
+    return mine_to_store(params.store(), params.evals, name="weaknesses")
+
+
+def report(params: ReportParams) -> Manifest:
+    """The round's HTML report."""
+    return build_report(params.store(), params.refs, f"round-{params.round_no}")
