@@ -155,12 +155,20 @@ class HermesAgentBaseEnv(BaseEnv):
     async def teardown(self) -> None:
         """Release what `setup` started (servers); called when `process` or `evaluate` ends."""
 
+    async def close(self) -> None:
+        """`teardown`, then close the inference clients (their aiohttp sessions leak otherwise)."""
+        await self.teardown()
+        for server in self.server.servers:
+            client = getattr(server, "openai", None)
+            if client is not None:
+                await client.close()
+
     async def _run_evaluate(self) -> None:
         await self.setup()
         try:
             await self.evaluate()
         finally:
-            await self.teardown()
+            await self.close()
 
     # -- rollouts --------------------------------------------------------------------------------
 
@@ -353,7 +361,7 @@ class HermesAgentBaseEnv(BaseEnv):
             try:
                 await asyncio.gather(*(one(item) for item in todo))
             finally:
-                await self.teardown()
+                await self.close()
         seconds = time.perf_counter() - started
         stats = {
             "groups_written": written,

@@ -108,7 +108,7 @@ async def _evaluate(env: Any) -> dict[str, float]:
     try:
         return await env.run_agentic_eval(env.eval_items)
     finally:
-        await env.teardown()
+        await env.close()
 
 
 def aggregate(samples: list[dict[str, Any]]) -> dict[str, Any]:
