@@ -26,6 +26,7 @@ def generate_rollouts(
     teacher: str = "oracle",
     base_url: str | None = None,
     model_name: str | None = None,
+    api_key_env: str | None = None,
     task_mix: dict[str, float] | None = None,
     seed: int = 0,
     name: str = "rollouts",
@@ -35,7 +36,7 @@ def generate_rollouts(
     """Run `groups` groups of `group_size` rollouts and store the JSONL (+ stats) as a `rollouts` artifact."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, f"{env_name}.jsonl")
-        servers = server_configs(base_url, model_name or "teacher") if base_url else None
+        servers = server_configs(base_url, model_name or "teacher", api_key_env) if base_url else None
         env = env_class(env_name)(
             server_configs=servers,
             tokenizer_name=tokenizer,

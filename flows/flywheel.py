@@ -7,23 +7,16 @@ work pool and a re-run skips what already finished.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import flow, get_run_logger
 
 from data import ArtifactStore, lineage
 from evaluation.lm_eval_runner import model_ref_of
+from flows import work
 from flows.dispatch import Dispatch, result_storage, run_stage
 from flows.profiles import PROFILES, ProfileName, RoundProfile
 from flows.stages import evaluate
-from flows.work import (
-    CurateParams,
-    EvaluateParams,
-    GateParams,
-    GenerateParams,
-    MineParams,
-    ReportParams,
-    RLParams,
-    SFTParams,
-)
 from training.config import ConfigError
 from training.models import prepare_model
 
@@ -47,30 +40,28 @@ def flywheel(
     log = get_run_logger()
     p = sizes or PROFILES[profile]
     store = ArtifactStore(store_url)
-    stage = run_stage.with_options(result_storage=result_storage(store))
+    cached_stage = run_stage.with_options(result_storage=result_storage(store))
     common = {"store_url": store.root_url, "profile": p}  # Absolute: cache keys must not depend on the cwd.
+
+    def stage(name: str, params: type[work.StageParams], **fields: Any) -> str:
+        return cached_stage(name, params(**common, **fields), dispatch)
+
     first = first_round or completed_rounds(store) + 1
     report_id = ""
     for n in range(first, first + rounds):
         if n == 1 and store.try_resolve("gate/gate-r0") is None:  # Judge the starting model, so the gate has a bar.
-            start = (
-                store.try_resolve("champion")
-                or store.try_resolve(f"model/{p.model}")
-                or prepare_model(p.model, store).id
-            )
-            base_eval = stage(
-                "evaluate", EvaluateParams(**common, round_no=0, model=start, name="agentic-base"), dispatch
-            )
-            stage("gate", GateParams(**common, round_no=0, evals=[base_eval], candidate=start), dispatch)
+            start = store.try_resolve("champion", f"model/{p.model}") or prepare_model(p.model, store).id
+            base_eval = stage("evaluate", work.EvaluateParams, round_no=0, model=start, name="agentic-base")
+            stage("gate", work.GateParams, round_no=0, evals=[base_eval], candidate=start)
         base, mix = round_inputs(store, n, p)
-        rollouts = stage("generate", GenerateParams(**common, round_no=n, tokenizer_model=base, task_mix=mix), dispatch)
-        dataset = stage("curate", CurateParams(**common, round_no=n, rollouts=rollouts), dispatch)
-        sft_ckpt = stage("sft", SFTParams(**common, round_no=n, base=base, dataset=dataset), dispatch)
-        rl_ckpt = stage("rl", RLParams(**common, round_no=n, policy=sft_ckpt), dispatch)
-        evals = [stage("evaluate", EvaluateParams(**common, round_no=n, model=rl_ckpt, name=f"agentic-r{n}"), dispatch)]
-        decision = stage("gate", GateParams(**common, round_no=n, evals=evals, candidate=rl_ckpt), dispatch)
-        weaknesses = stage("mine", MineParams(**common, round_no=n, evals=evals), dispatch)
-        report_id = stage("report", ReportParams(**common, round_no=n, refs=[*evals, weaknesses, decision]), dispatch)
+        rollouts = stage("generate", work.GenerateParams, round_no=n, tokenizer_model=base, task_mix=mix)
+        dataset = stage("curate", work.CurateParams, round_no=n, rollouts=rollouts)
+        sft_ckpt = stage("sft", work.SFTParams, round_no=n, base=base, dataset=dataset)
+        rl_ckpt = stage("rl", work.RLParams, round_no=n, policy=sft_ckpt)
+        evals = [stage("evaluate", work.EvaluateParams, round_no=n, model=rl_ckpt, name=f"agentic-r{n}")]
+        decision = stage("gate", work.GateParams, round_no=n, evals=evals, candidate=rl_ckpt)
+        weaknesses = stage("mine", work.MineParams, round_no=n, evals=evals)
+        report_id = stage("report", work.ReportParams, round_no=n, refs=[*evals, weaknesses, decision])
         result = store.read_json(decision, "decision.json")
         log.info("round %d: candidate %s (%s)", n, "promoted" if result["promote"] else "kept out", result["reason"])
     return report_id
@@ -117,4 +108,4 @@ def eval_only(
     p = sizes or PROFILES[profile]
     store = ArtifactStore(store_url)
     ref = model_ref_of(store, model) or model
-    return evaluate(EvaluateParams(store_url=store_url, round_no=0, profile=p, model=ref, name=f"eval-{model}"))
+    return evaluate(work.EvaluateParams(store_url=store_url, round_no=0, profile=p, model=ref, name=f"eval-{model}"))

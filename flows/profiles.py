@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 ProfileName = Literal["default", "quick", "tiny"]
 
@@ -22,6 +22,19 @@ class RoundProfile(BaseModel):
     max_tokens: int = Field(default=192, ge=8, description="Tokens per model reply in evaluation.")
     difficulty: str | None = Field(default="easy", description="Task difficulty for this round.")
     gpus: int = Field(default=1, ge=0, description="Slots of the `gpu` global concurrency limit a GPU stage takes.")
+    teacher: Literal["oracle", "policy", "endpoint"] = Field(
+        default="oracle",
+        description="Who generates: the envs' oracles, the round's base model (served), or `teacher_url`.",
+    )
+    teacher_url: str | None = Field(default=None, description="OpenAI-compatible base URL (teacher=endpoint).")
+    teacher_model: str | None = Field(default=None, description="Model name at `teacher_url`.")
+    teacher_api_key_env: str | None = Field(default=None, description="Environment variable holding its API key.")
+
+    @model_validator(mode="after")
+    def _endpoint_is_complete(self) -> RoundProfile:
+        if self.teacher == "endpoint" and not (self.teacher_url and self.teacher_model):
+            raise ValueError("teacher=endpoint needs teacher_url and teacher_model")
+        return self
 
 
 PROFILES: dict[str, RoundProfile] = {

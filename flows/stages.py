@@ -16,6 +16,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.concurrency.sync import concurrency
 
+from data import Manifest
 from flows import work
 from flows.profiles import RoundProfile
 from flows.ui import ProgressArtifact, artifact_link, markdown, metrics_table, stage_run_name
@@ -67,20 +68,21 @@ def curate(params: CurateParams) -> str:
 @stage_flow("sft")
 def sft(params: SFTParams) -> str:
     """Supervised fine-tuning (TRL SFTTrainer) on the curated set."""
-    with gpu_slots(params.profile):
-        progress = ProgressArtifact("sft-progress", f"SFT steps, round {params.round_no}")
-        manifest = work.sft(params, callbacks=[progress])
-    artifact_link(params.store(), manifest, "sft-checkpoint")
-    return manifest.id
+    return _train("sft", params, work.sft)
 
 
 @stage_flow("rl")
 def rl(params: RLParams) -> str:
     """GRPO in the round's environment, KL to the SFT checkpoint."""
+    return _train("rl", params, work.rl)
+
+
+def _train(stage: str, params: SFTParams | RLParams, train: Callable[..., Manifest]) -> str:
+    """A training stage on its GPU slots, its steps as a progress bar, a link to the checkpoint."""
     with gpu_slots(params.profile):
-        progress = ProgressArtifact("rl-progress", f"GRPO steps, round {params.round_no}")
-        manifest = work.rl(params, callbacks=[progress])
-    artifact_link(params.store(), manifest, "rl-checkpoint")
+        progress = ProgressArtifact(f"{stage}-progress", f"{stage.upper()} steps, round {params.round_no}")
+        manifest = train(params, callbacks=[progress])
+    artifact_link(params.store(), manifest, f"{stage}-checkpoint")
     return manifest.id
 
 

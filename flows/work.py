@@ -3,6 +3,7 @@ benchmark runs as its plain-script baseline (so the two measure the same work)."
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -71,20 +72,29 @@ class ReportParams(StageParams):
 
 
 def generate(params: GenerateParams) -> Manifest:
-    """Teacher rollouts (the env oracle) in `process` mode, steered by the last round's task mix."""
+    """Rollouts in `process` mode by the profile's teacher, steered by the last round's task mix."""
     p, store = params.profile, params.store()
-    return generate_rollouts(
-        store,
-        p.env,
-        groups=p.groups,
-        group_size=2,
-        tokenizer=str(resolve_model(params.tokenizer_model, store)),
-        teacher="oracle",
-        task_mix=params.task_mix,
-        seed=params.round_no,
-        name=f"{p.env}-r{params.round_no}",
-        difficulty=p.difficulty,
-    )
+    model_dir = resolve_model(params.tokenizer_model, store)
+    with contextlib.ExitStack() as stack:
+        endpoint: dict[str, Any] = {}
+        if p.teacher == "endpoint":
+            endpoint = {"base_url": p.teacher_url, "model_name": p.teacher_model, "api_key_env": p.teacher_api_key_env}
+        elif p.teacher == "policy":
+            server = stack.enter_context(ModelServer(ServerConfig(model=str(model_dir))))
+            endpoint = {"base_url": server.base_url, "model_name": server.model_name}
+        return generate_rollouts(
+            store,
+            p.env,
+            groups=p.groups,
+            group_size=2,
+            tokenizer=str(model_dir),
+            teacher="oracle" if p.teacher == "oracle" else "server",
+            task_mix=params.task_mix,
+            seed=params.round_no,
+            name=f"{p.env}-r{params.round_no}",
+            difficulty=p.difficulty,
+            **endpoint,
+        )
 
 
 def curate(params: CurateParams) -> Manifest:

@@ -1,0 +1,43 @@
+"""Stage work without Prefect: teachers for generation, and the inputs a round starts from."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from data import ArtifactStore
+from flows import work
+from flows.flywheel import round_inputs
+from flows.profiles import PROFILES, RoundProfile
+from training.config import ConfigError
+
+
+def test_the_served_policy_can_be_the_teacher(model_store: ArtifactStore, tiny_model, model_cache, monkeypatch) -> None:
+    monkeypatch.setenv("FLYWHEEL_CACHE", str(model_cache))
+    profile = PROFILES["tiny"].model_copy(update={"teacher": "policy", "groups": 2})
+    base = model_store.resolve("model/tiny")
+    manifest = work.generate(work.GenerateParams(store_url=model_store.url, profile=profile, tokenizer_model=base))
+    assert manifest.params["teacher"] == "server" and manifest.params["model"]  # The served tiny model acted.
+    lines = model_store.read_bytes(manifest.id, "tool_use_chain.jsonl").decode().splitlines()
+    assert len(lines) == 2 and all(len(json.loads(line)["scores"]) == 2 for line in lines)
+
+
+def test_an_endpoint_teacher_needs_a_url_and_a_model() -> None:
+    with pytest.raises(ValidationError, match="teacher_url and teacher_model"):
+        RoundProfile(teacher="endpoint", teacher_url="http://127.0.0.1:9/v1")
+
+
+def test_a_round_refuses_a_champion_from_another_base_model(tmp_path) -> None:
+    store = ArtifactStore(tmp_path)
+    other = store.put("model", "other", {"config.json": "{}"})
+    decision = {"promote": True, "candidate": other.id, "champion_before": None, "candidate_evals": []}
+    store.put("gate", "gate-r0", {"decision.json": json.dumps(decision)}, parents=[other.id])
+    with pytest.raises(ConfigError, match="does not descend from model/tiny"):
+        round_inputs(store, 1, PROFILES["tiny"])
+
+
+def test_round_two_needs_round_one(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="no report of round 1"):
+        round_inputs(ArtifactStore(tmp_path), 2, PROFILES["tiny"])
