@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from environments.agent_loop import AgentResult
-from environments.hermes_base_env import HermesAgentBaseEnv, HermesAgentEnvConfig, default_tokenizer
+from environments.hermes_base_env import HermesAgentEnvConfig, default_tokenizer
 from environments.rewards import efficiency
-from environments.task_stream import TaskStream
+from environments.task_env import TaskEnv
 from environments.tasks import long_horizon_tasks as tasks
 from environments.tool_context import ToolContext
 
@@ -24,9 +24,10 @@ class LongHorizonEnvConfig(HermesAgentEnvConfig):
     max_agent_turns: int = 48
 
 
-class LongHorizonEnv(HermesAgentBaseEnv):
+class LongHorizonEnv(TaskEnv):
     name = "long_horizon"
     env_config_cls = LongHorizonEnvConfig
+    make_task = tasks.make_task
     categories = tasks.CATEGORIES
 
     @classmethod
@@ -34,35 +35,8 @@ class LongHorizonEnv(HermesAgentBaseEnv):
         config = LongHorizonEnvConfig(tokenizer_name=default_tokenizer(), group_size=2, use_wandb=False)
         return config, cls.default_server_configs()
 
-    async def setup(self) -> None:
-        cfg = self.config
-        self.stream = TaskStream(
-            self.name,
-            tasks.make_task,
-            self.categories,
-            cfg.seed,
-            cfg.difficulty,
-            cfg.categories,
-            cfg.task_mix,
-        )
-        self.eval_items = TaskStream(self.name, tasks.make_task, self.categories, cfg.eval_seed).items(cfg.eval_size)
-        self.index = 0
-
-    async def get_next_item(self) -> dict[str, Any]:
-        self.index += 1
-        return self.stream.item(self.index - 1)
-
-    def format_prompt(self, item: dict[str, Any]) -> str:
-        return item["prompt"]
-
     async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
         return milestone_score(item, ctx) * efficiency(result.turns_used, tasks.STEP_BUDGET)
-
-    async def evaluate(self, *args: Any, **kwargs: Any) -> None:
-        await self.run_agentic_eval(self.eval_items)
-
-    async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
-        await super().wandb_log(wandb_metrics)
 
 
 def milestone_score(item: dict[str, Any], ctx: ToolContext) -> float:

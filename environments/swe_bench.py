@@ -19,10 +19,10 @@ from typing import Any
 from pydantic import Field
 
 from environments.agent_loop import AgentResult
-from environments.hermes_base_env import HermesAgentBaseEnv, HermesAgentEnvConfig, default_tokenizer
+from environments.hermes_base_env import HermesAgentEnvConfig, default_tokenizer
 from environments.policies import call, final
 from environments.rewards import binary_reward
-from environments.task_stream import TaskStream
+from environments.task_env import TaskEnv
 from environments.tasks import swe_tasks as tasks
 from environments.tool_context import ToolContext
 
@@ -37,9 +37,10 @@ class SWEBenchEnvConfig(HermesAgentEnvConfig):
     instances_path: str | None = Field(default=None, description="SWE-bench-format JSONL (replaces generated tasks).")
 
 
-class SWEBenchEnv(HermesAgentBaseEnv):
+class SWEBenchEnv(TaskEnv):
     name = "swe_bench"
     env_config_cls = SWEBenchEnvConfig
+    make_task = tasks.make_task
     categories = tasks.CATEGORIES
 
     @classmethod
@@ -48,32 +49,13 @@ class SWEBenchEnv(HermesAgentBaseEnv):
         return config, cls.default_server_configs()
 
     async def setup(self) -> None:
-        cfg = self.config
-        if cfg.instances_path:
-            instances = load_instances(Path(cfg.instances_path))
-            self.stream = _ListStream(instances)
-            self.eval_items = instances[: cfg.eval_size]
-        else:
-            self.stream = TaskStream(
-                self.name,
-                tasks.make_task,
-                self.categories,
-                cfg.seed,
-                cfg.difficulty,
-                cfg.categories,
-                cfg.task_mix,
-            )
-            self.eval_items = TaskStream(self.name, tasks.make_task, self.categories, cfg.eval_seed).items(
-                cfg.eval_size
-            )
+        if not self.config.instances_path:
+            await super().setup()
+            return
+        instances = load_instances(Path(self.config.instances_path))
+        self.stream = _ListStream(instances)
+        self.eval_items = instances[: self.config.eval_size]
         self.index = 0
-
-    async def get_next_item(self) -> dict[str, Any]:
-        self.index += 1
-        return self.stream.item(self.index - 1)
-
-    def format_prompt(self, item: dict[str, Any]) -> str:
-        return item["prompt"]
 
     async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
         answer = item["answer"]
@@ -89,12 +71,6 @@ class SWEBenchEnv(HermesAgentBaseEnv):
         ctx.write_file(".verify/test_hidden.py", header + answer["hidden_tests"])
         outcome = ctx.terminal(f"{_PYTEST} .verify/test_hidden.py", timeout=120)
         return binary_reward(outcome["exit_code"] == 0)
-
-    async def evaluate(self, *args: Any, **kwargs: Any) -> None:
-        await self.run_agentic_eval(self.eval_items)
-
-    async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
-        await super().wandb_log(wandb_metrics)
 
 
 class _ListStream:

@@ -16,10 +16,10 @@ from typing import Any
 from pydantic import Field
 
 from environments.agent_loop import AgentResult
-from environments.hermes_base_env import HermesAgentBaseEnv, HermesAgentEnvConfig, default_tokenizer
+from environments.hermes_base_env import HermesAgentEnvConfig, default_tokenizer
 from environments.policies import ScriptedPolicy
 from environments.rewards import binary_reward, final_answer
-from environments.task_stream import TaskStream
+from environments.task_env import TaskEnv
 from environments.tasks import web_tasks as tasks
 from environments.tool_context import ToolContext
 
@@ -31,9 +31,10 @@ class WebNavigationEnvConfig(HermesAgentEnvConfig):
     max_agent_turns: int = 24
 
 
-class WebNavigationEnv(HermesAgentBaseEnv):
+class WebNavigationEnv(TaskEnv):
     name = "web_navigation"
     env_config_cls = WebNavigationEnvConfig
+    make_task = tasks.make_task
     categories = tasks.CATEGORIES
 
     @classmethod
@@ -42,29 +43,14 @@ class WebNavigationEnv(HermesAgentBaseEnv):
         return config, cls.default_server_configs()
 
     async def setup(self) -> None:
-        cfg = self.config
         self.site = tasks.ShopSite().start()
-        self.stream = TaskStream(
-            self.name,
-            tasks.make_task,
-            self.categories,
-            cfg.seed,
-            cfg.difficulty,
-            cfg.categories,
-            cfg.task_mix,
-        )
-        self.eval_items = TaskStream(self.name, tasks.make_task, self.categories, cfg.eval_seed).items(cfg.eval_size)
-        self.index = 0
+        await super().setup()
 
     async def teardown(self) -> None:
         self.site.stop()
 
     def extra_tools(self) -> list[Any]:
         return tasks.WEB_TOOLS
-
-    async def get_next_item(self) -> dict[str, Any]:
-        self.index += 1
-        return self.stream.item(self.index - 1)
 
     def format_prompt(self, item: dict[str, Any]) -> str:
         return item["prompt"].replace("{site}", self.site.base_url)
@@ -75,12 +61,6 @@ class WebNavigationEnv(HermesAgentBaseEnv):
 
     async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
         return binary_reward(tasks.verify(item, final_answer(result.messages)))
-
-    async def evaluate(self, *args: Any, **kwargs: Any) -> None:
-        await self.run_agentic_eval(self.eval_items)
-
-    async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
-        await super().wandb_log(wandb_metrics)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ class AgenticEvalConfig(BaseModel):
 
     envs: list[str] = Field(default=list(TASK_FAMILIES), description="Environments to evaluate.")
     eval_size: int = Field(default=8, ge=1, description="Held-out tasks per env (the env's eval seed).")
+    difficulty: str | None = Field(default=None, description="Only held-out tasks of this difficulty.")
+    categories: list[str] | None = Field(default=None, description="Only held-out tasks of these categories.")
     max_agent_turns: int | None = Field(default=None, ge=1, description="Override the envs' turn limits.")
     max_token_length: int = Field(default=256, ge=8, description="Tokens per model reply.")
     base_url: str = Field(description="OpenAI-compatible endpoint serving the model.")
@@ -36,9 +38,10 @@ class AgenticEvalConfig(BaseModel):
     name: str = Field(default="agentic", description="Name of the eval artifact.")
 
 
-def held_out_items(env_name: str, eval_size: int, tokenizer: str) -> list[dict[str, Any]]:
-    """The env's fixed held-out tasks (its eval seed), as stored for lineage and decontamination."""
-    env = _env(env_name, tokenizer_name=tokenizer, eval_size=eval_size)
+def held_out_items(env_name: str, eval_size: int, tokenizer: str, **task_slice: Any) -> list[dict[str, Any]]:
+    """The env's fixed held-out tasks (its eval seed, in the slice `difficulty`/`categories`), as
+    stored for lineage and decontamination."""
+    env = _env(env_name, tokenizer_name=tokenizer, eval_size=eval_size, **task_slice)
     asyncio.run(env.setup())
     try:
         return [
@@ -55,11 +58,14 @@ def held_out_items(env_name: str, eval_size: int, tokenizer: str) -> list[dict[s
 
 
 def store_agentic_evalset(store: ArtifactStore, cfg: AgenticEvalConfig) -> Manifest:
+    task_slice = {"difficulty": cfg.difficulty, "categories": cfg.categories}
     files = {
-        f"{name}.jsonl": "".join(json.dumps(i) + "\n" for i in held_out_items(name, cfg.eval_size, cfg.tokenizer))
+        f"{name}.jsonl": "".join(
+            json.dumps(i) + "\n" for i in held_out_items(name, cfg.eval_size, cfg.tokenizer, **task_slice)
+        )
         for name in cfg.envs
     }
-    params = {"envs": cfg.envs, "eval_size": cfg.eval_size}
+    params = {"envs": cfg.envs, "eval_size": cfg.eval_size, **task_slice}
     try:
         existing = store.manifest("evalset/agentic")
     except ArtifactNotFound:
@@ -84,6 +90,8 @@ def run_agentic_eval(cfg: AgenticEvalConfig, store: ArtifactStore, model_ref: st
                 "data_dir_to_save_evals": out,
                 "max_token_length": cfg.max_token_length,
                 "teacher": cfg.teacher,
+                "difficulty": cfg.difficulty,
+                "categories": cfg.categories,
             }
             if cfg.max_agent_turns:
                 overrides["max_agent_turns"] = cfg.max_agent_turns

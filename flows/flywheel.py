@@ -43,8 +43,8 @@ def flywheel(
     cached_stage = run_stage.with_options(result_storage=result_storage(store))
     common = {"store_url": store.root_url, "profile": p}  # Absolute: cache keys must not depend on the cwd.
 
-    def stage(name: str, params: type[work.StageParams], **fields: Any) -> str:
-        return cached_stage(name, params(**common, **fields), dispatch)
+    def stage(stage_name: str, params: type[work.StageParams], /, **fields: Any) -> str:
+        return cached_stage(stage_name, params(**common, **fields), dispatch)
 
     first = first_round or completed_rounds(store) + 1
     report_id = ""

@@ -20,7 +20,8 @@ class RoundProfile(BaseModel):
     rl_steps: int = Field(default=2, ge=1, description="GRPO steps.")
     eval_size: int = Field(default=8, ge=1, description="Held-out agentic tasks.")
     max_tokens: int = Field(default=192, ge=8, description="Tokens per model reply in evaluation.")
-    difficulty: str | None = Field(default="easy", description="Task difficulty for this round.")
+    difficulty: str | None = Field(default="easy", description="Task difficulty of this round (training and held-out).")
+    categories: list[str] | None = Field(default=None, description="Task categories of this round (None: all).")
     gpus: int = Field(default=1, ge=0, description="Slots of the `gpu` global concurrency limit a GPU stage takes.")
     teacher: Literal["oracle", "policy", "endpoint"] = Field(
         default="oracle",
@@ -38,7 +39,11 @@ class RoundProfile(BaseModel):
 
 
 PROFILES: dict[str, RoundProfile] = {
-    "default": RoundProfile(),
+    # SmolLM2-135M on CPU: the slice a 135M model can learn in one round (look a product up, copy
+    # its id and price) rather than arithmetic or 6+ tool calls, which it fails before and after.
+    "default": RoundProfile(
+        env="web_navigation", categories=["lookup_price"], groups=32, sft_steps=24, eval_size=10, max_tokens=128
+    ),
     "quick": RoundProfile(model="tiny", groups=8, sft_steps=4, sft_lr=1e-3, rl_steps=1, eval_size=3, max_tokens=48),
     # The smallest round that still runs every stage for real: tests and the overhead benchmark.
     "tiny": RoundProfile(model="tiny", groups=4, sft_steps=2, sft_lr=1e-3, rl_steps=1, eval_size=2, max_tokens=16),

@@ -20,6 +20,7 @@ from flows.profiles import RoundProfile
 from inference import ModelServer, ServerConfig
 from training.config import RunnerConfig
 from training.grpo import run_grpo
+from training.launch import launch_sft
 from training.models import resolve_model
 from training.sft import SFTRunConfig, run_sft
 
@@ -93,6 +94,7 @@ def generate(params: GenerateParams) -> Manifest:
             seed=params.round_no,
             name=f"{p.env}-r{params.round_no}",
             difficulty=p.difficulty,
+            categories=p.categories,
             **endpoint,
         )
 
@@ -115,6 +117,8 @@ def sft(params: SFTParams, callbacks: list[Any] | None = None) -> Manifest:
         num_threads=2,
         output_name=f"sft-r{params.round_no}",
     )
+    if p.gpus > 1:  # One process per GPU; the trainer's steps then show in the run log, not as a progress bar.
+        return launch_sft(cfg, params.store(), p.gpus)
     return run_sft(cfg, params.store(), callbacks=callbacks)
 
 
@@ -125,6 +129,7 @@ def rl(params: RLParams, callbacks: list[Any] | None = None) -> Manifest:
         policy_model=params.policy,
         envs=[p.env],
         difficulty=p.difficulty,
+        categories=p.categories,
         total_steps=p.rl_steps,
         batch_size=4,
         num_rollouts_per_task=2,
@@ -145,6 +150,8 @@ def evaluate(params: EvaluateParams) -> Manifest:
         cfg = AgenticEvalConfig(
             envs=[p.env],
             eval_size=p.eval_size,
+            difficulty=p.difficulty,
+            categories=p.categories,
             max_token_length=p.max_tokens,
             base_url=server.base_url,
             model_name=server.model_name or "",

@@ -45,6 +45,7 @@ class RunnerConfig(BaseModel):
     num_rollouts_per_task: int = Field(default=4, ge=2, description="Completions per prompt (the GRPO group).")
     num_tasks: int = Field(default=64, ge=1, description="Distinct tasks in the training set.")
     difficulty: str | None = Field(default=None, description="Only tasks of this difficulty.")
+    categories: list[str] | None = Field(default=None, description="Only tasks of these categories.")
     max_completion_length: int = Field(default=256, ge=8, description="Tokens per completion, tool output included.")
     max_tool_calls: int = Field(default=8, ge=0, description="Tool-calling iterations per rollout.")
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature.")

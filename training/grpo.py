@@ -223,7 +223,9 @@ def run_grpo(cfg: RunnerConfig, store: ArtifactStore, callbacks: list[Any] | Non
     if cfg.profile == "cpu":
         torch.set_num_threads(cfg.num_threads)
     model_dir = resolve_model(cfg.policy_model, store)
-    env = load_env(cfg.envs[0], tokenizer_name=str(model_dir), difficulty=cfg.difficulty, seed=cfg.seed)
+    env = load_env(
+        cfg.envs[0], tokenizer_name=str(model_dir), difficulty=cfg.difficulty, categories=cfg.categories, seed=cfg.seed
+    )
     run = RunDir(cfg.logs_root, cfg.output_name)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     trainer = GRPOTrainer(

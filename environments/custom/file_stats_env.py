@@ -11,10 +11,10 @@ from typing import Any
 from pydantic import Field
 
 from environments.agent_loop import AgentResult
-from environments.hermes_base_env import HermesAgentBaseEnv, HermesAgentEnvConfig, default_tokenizer
+from environments.hermes_base_env import HermesAgentEnvConfig, default_tokenizer
 from environments.policies import call, final
 from environments.rewards import binary_reward
-from environments.task_stream import TaskStream
+from environments.task_env import TaskEnv
 from environments.tool_context import ToolContext
 
 
@@ -38,8 +38,10 @@ class FileStatsEnvConfig(HermesAgentEnvConfig):
     max_agent_turns: int = Field(default=6, description="Three tool calls are enough.")
 
 
-class FileStatsEnv(HermesAgentBaseEnv):
+class FileStatsEnv(TaskEnv):
     name = "file_stats"
+    make_task = make_task
+    categories = ("line_count",)
     env_config_cls = FileStatsEnvConfig
 
     @classmethod
@@ -47,27 +49,11 @@ class FileStatsEnv(HermesAgentBaseEnv):
         config = FileStatsEnvConfig(tokenizer_name=default_tokenizer(), group_size=2, use_wandb=False)
         return config, cls.default_server_configs()
 
-    async def setup(self) -> None:
-        c = self.config
-        self.stream = TaskStream(self.name, make_task, ("line_count",), c.seed, c.difficulty, c.categories, c.task_mix)
-        self.eval_items = TaskStream(self.name, make_task, ("line_count",), c.eval_seed).items(c.eval_size)
-        self.index = 0
-
-    async def get_next_item(self) -> dict[str, Any]:
-        self.index += 1
-        return self.stream.item(self.index - 1)
-
-    def format_prompt(self, item: dict[str, Any]) -> str:
-        return item["prompt"]
-
     async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
         try:  # Verify the file, never the model's claim.
             return binary_reward(int(ctx.read_file("answer.txt").strip()) == item["answer"]["lines"])
         except (OSError, ValueError):
             return 0.0
-
-    async def evaluate(self, *args: Any, **kwargs: Any) -> None:
-        await self.run_agentic_eval(self.eval_items)
 
     async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
         await super().wandb_log(wandb_metrics)  # Add env-specific metrics here, then call super.

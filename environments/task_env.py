@@ -1,0 +1,38 @@
+"""`TaskEnv`: the shared shape of the built-in environments, whose items come from a task family.
+
+A subclass names its family (`make_task`, `categories`) and writes `compute_reward`; `setup`,
+`get_next_item`, `format_prompt` and `evaluate` follow the hermes-agent contract with the usual
+defaults: training items from the config's `seed` (filtered and weighted by `difficulty`,
+`categories` and the mined `task_mix`), held-out items from `eval_seed` (same slice, no mix).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from environments.hermes_base_env import HermesAgentBaseEnv
+from environments.task_stream import MakeTask, TaskStream
+
+
+class TaskEnv(HermesAgentBaseEnv):
+    """A `HermesAgentBaseEnv` over a seeded `TaskStream`."""
+
+    make_task: ClassVar[MakeTask]
+    categories: ClassVar[tuple[str, ...]]
+
+    async def setup(self) -> None:
+        cfg = self.config
+        family = (self.name, type(self).make_task, self.categories)
+        self.stream = TaskStream(*family, cfg.seed, cfg.difficulty, cfg.categories, cfg.task_mix)
+        self.eval_items = TaskStream(*family, cfg.eval_seed, cfg.difficulty, cfg.categories).items(cfg.eval_size)
+        self.index = 0
+
+    async def get_next_item(self) -> dict[str, Any]:
+        self.index += 1
+        return self.stream.item(self.index - 1)
+
+    def format_prompt(self, item: dict[str, Any]) -> str:
+        return item["prompt"]
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> None:
+        await self.run_agentic_eval(self.eval_items)

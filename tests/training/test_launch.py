@@ -1,0 +1,59 @@
+"""`run_logged`: a launched trainer's output reaches the log, failures say why, and an interrupted
+caller takes the child's whole process group down (what happens to `accelerate launch` when a
+stage times out or is cancelled)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from training.launch import LaunchError, run_logged
+
+
+def test_output_is_logged_line_by_line(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="training.launch"):
+        run_logged([sys.executable, "-c", "print('step 1 loss 2.0'); print('step 2 loss 1.5')"])
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.endswith("] step 1 loss 2.0") for line in lines)
+    assert any(line.endswith("] step 2 loss 1.5") for line in lines)
+
+
+def test_a_failed_launch_raises_with_its_last_lines() -> None:
+    with pytest.raises(LaunchError, match="exited 3") as err:
+        run_logged([sys.executable, "-c", "import sys; print('CUDA out of memory'); sys.exit(3)"])
+    assert "CUDA out of memory" in str(err.value)
+
+
+def test_an_interrupted_caller_kills_the_whole_process_group(caplog: pytest.LogCaptureFixture) -> None:
+    child = "import subprocess, time; p = subprocess.Popen(['sleep', '120']); print(p.pid, flush=True); time.sleep(120)"
+
+    def timeout(*_: object) -> None:
+        raise TimeoutError("stage timed out")
+
+    previous = signal.signal(signal.SIGALRM, timeout)
+    signal.alarm(3)
+    try:
+        with caplog.at_level(logging.INFO, logger="training.launch"), pytest.raises(TimeoutError):
+            run_logged([sys.executable, "-c", child])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    grandchild = int(caplog.records[-1].getMessage().rsplit("] ", 1)[1])
+    deadline = time.monotonic() + 5
+    while _alive(grandchild):
+        assert time.monotonic() < deadline, "the launched process's own child survived"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as stat:  # A zombie waiting for its reaper is dead too.
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False

@@ -1,0 +1,56 @@
+"""Multi-GPU training as a child process: `accelerate launch` in its own process group, its output
+streamed line by line into this process's log (so into the Prefect run log), killed with its
+whole group when the caller is interrupted, times out or is cancelled."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from data import ArtifactStore, Manifest
+from data.store import STORE_ENV
+from training.sft import SFTRunConfig, launch_command
+
+logger = logging.getLogger(__name__)
+
+
+class LaunchError(RuntimeError):
+    """The launched training exited non-zero."""
+
+
+def run_logged(command: list[str], env: dict[str, str] | None = None, tail_lines: int = 50) -> None:
+    """Run `command`, logging each line it prints; raise `LaunchError` (with its last lines) on failure."""
+    tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+    logger.info("launching %s", " ".join(command))
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            tail.append(line.rstrip())
+            logger.info("[%s] %s", Path(command[0]).name, line.rstrip())
+        code = process.wait()
+    except BaseException:  # Timeout, cancellation (SIGTERM -> exception), Ctrl-C: take the whole group down.
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        raise
+    if code != 0:
+        raise LaunchError(f"{' '.join(command[:4])} ... exited {code}:\n" + "\n".join(tail))
+
+
+def launch_sft(cfg: SFTRunConfig, store: ArtifactStore, num_gpus: int) -> Manifest:
+    """SFT on `num_gpus` GPUs with `accelerate launch` (DeepSpeed `cfg.deepspeed`); returns its checkpoint."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config_file = Path(tmp, "sft.yaml")
+        config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+        run_logged(launch_command(str(config_file), num_gpus, cfg.deepspeed), env={**os.environ, STORE_ENV: store.url})
+    return store.manifest(f"checkpoint/{cfg.output_name}")
