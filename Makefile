@@ -27,7 +27,7 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/flywheel model prepare smollm2
 	$(VENV)/bin/flywheel chat smollm2 "What is the capital of France?"
-	$(VENV)/bin/flywheel round --quick
+	$(VENV)/bin/flywheel round
 
 test: install
 	$(VENV)/bin/ruff check .
@@ -40,3 +40,4 @@ bench: install
 	$(PY) benchmarks/store_throughput.py
 	$(PY) benchmarks/rollout_throughput.py
 	$(PY) benchmarks/sft_throughput.py
+	$(PY) benchmarks/orchestration_overhead.py

@@ -7,3 +7,4 @@ configures logging) sends their lines, model-server and trainer output included,
 import os
 
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "data,environments,evaluation,inference,training")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # Machines here reach no telemetry host.

@@ -17,7 +17,9 @@ class RoundProfile(BaseModel):
     groups: int = Field(default=24, ge=1, description="Teacher groups to generate.")
     sft_steps: int = Field(default=8, ge=1, description="SFT steps.")
     sft_lr: float = Field(default=2e-4, gt=0, description="SFT learning rate.")
+    sft_max_length: int = Field(default=1280, ge=64, description="SFT tokens per conversation (whole trajectories).")
     rl_steps: int = Field(default=2, ge=1, description="GRPO steps.")
+    rl_max_completion: int = Field(default=128, ge=16, description="GRPO tokens per rollout, tool output included.")
     eval_size: int = Field(default=8, ge=1, description="Held-out agentic tasks.")
     max_tokens: int = Field(default=192, ge=8, description="Tokens per model reply in evaluation.")
     difficulty: str | None = Field(default="easy", description="Task difficulty of this round (training and held-out).")
@@ -42,7 +44,13 @@ PROFILES: dict[str, RoundProfile] = {
     # SmolLM2-135M on CPU: the slice a 135M model can learn in one round (look a product up, copy
     # its id and price) rather than arithmetic or 6+ tool calls, which it fails before and after.
     "default": RoundProfile(
-        env="web_navigation", categories=["lookup_price"], groups=32, sft_steps=24, eval_size=10, max_tokens=128
+        env="web_navigation",
+        categories=["lookup_price"],
+        groups=32,
+        sft_steps=20,
+        rl_max_completion=384,
+        eval_size=10,
+        max_tokens=128,
     ),
     "quick": RoundProfile(model="tiny", groups=8, sft_steps=4, sft_lr=1e-3, rl_steps=1, eval_size=3, max_tokens=48),
     # The smallest round that still runs every stage for real: tests and the overhead benchmark.

@@ -113,7 +113,7 @@ def sft(params: SFTParams, callbacks: list[Any] | None = None) -> Manifest:
         max_steps=p.sft_steps,
         learning_rate=p.sft_lr,
         batch_size=4,
-        max_length=640,
+        max_length=p.sft_max_length,
         num_threads=2,
         output_name=f"sft-r{params.round_no}",
     )
@@ -133,7 +133,7 @@ def rl(params: RLParams, callbacks: list[Any] | None = None) -> Manifest:
         total_steps=p.rl_steps,
         batch_size=4,
         num_rollouts_per_task=2,
-        max_completion_length=128,
+        max_completion_length=p.rl_max_completion,
         max_tool_calls=4,
         num_tasks=16,
         output_name=f"rl-r{params.round_no}",

@@ -71,6 +71,7 @@ def load_rows(store: ArtifactStore, dataset: str) -> tuple[list[dict[str, Any]],
 def tokenize_rows(tokenizer: Any, rows: list[dict[str, Any]], template: str, max_length: int) -> dict[str, list]:
     """`input_ids` and `assistant_masks` (1 on assistant tokens) for each conversation."""
     ids, masks = [], []
+    cut = lost = 0
     for row in rows:
         tools = json.loads(row["tools"]) if isinstance(row.get("tools"), str) else row.get("tools")
         out = tokenizer.apply_chat_template(
@@ -83,6 +84,13 @@ def tokenize_rows(tokenizer: Any, rows: list[dict[str, Any]], template: str, max
         )
         ids.append(list(out["input_ids"])[:max_length])
         masks.append(list(out["assistant_masks"])[:max_length])
+        lost += sum(out["assistant_masks"][max_length:])
+        cut += len(out["input_ids"]) > max_length
+    if cut:  # Truncation silently drops the later turns a multi-turn agent most needs to learn.
+        logger.warning(
+            "%d of %d conversations exceed max_length=%d: %d assistant tokens are not trained; raise max_length",
+            cut, len(rows), max_length, lost,
+        )  # fmt: skip
     return {"input_ids": ids, "assistant_masks": masks}
 
 

@@ -80,3 +80,14 @@ def test_deployment_files_deploy_every_stage_on_its_pool(path: Path) -> None:
 def test_both_deployment_files_define_the_same_deployments() -> None:
     local, cluster = (yaml.safe_load(path.read_text())["deployments"] for path in DEPLOYMENT_FILES)
     assert [(d["entrypoint"], d["name"]) for d in local] == [(d["entrypoint"], d["name"]) for d in cluster]
+
+
+def test_the_cluster_sft_deployment_renders_a_valid_eight_gpu_job() -> None:
+    """The job variables the cluster file gives the SFT stage, through the real worker configuration."""
+    spec = yaml.safe_load(DEPLOYMENT_FILES[1].read_text())
+    sft = next(d for d in spec["deployments"] if d["entrypoint"].endswith(":sft"))
+    values = {**sft["work_pool"]["job_variables"], "image": "registry.example/flywheel:gpu"}
+    container = job_manifest(values)["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    env = {e["name"] for e in container["env"]}
+    assert {"FLYWHEEL_CACHE", "HF_HUB_OFFLINE", "FLYWHEEL_STORE", "PREFECT_LOGGING_EXTRA_LOGGERS"} <= env

@@ -49,6 +49,23 @@ def test_assistant_mask_decodes_to_exactly_the_assistant_turns(tiny_model: Path)
     assert '"name": "add"' in dropped  # The tool schema is in the (unmasked) system turn.
 
 
+def test_truncating_assistant_turns_is_a_warning(tiny_model: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A max_length that cuts the later turns trains only the first tool call: say so, with figures."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    rows = [conversation(2, 3) | {"tools": TOOLS}] * 2
+    template = training_template(tiny_model, tokenizer)
+    full = len(tokenize_rows(tokenizer, rows[:1], template, 4096)["input_ids"][0])
+    with caplog.at_level("WARNING", logger="training.sft"):
+        tokenize_rows(tokenizer, rows, template, full - 3)
+    assert "2 of 2 conversations exceed max_length" in caplog.text and "raise max_length" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="training.sft"):
+        tokenize_rows(tokenizer, rows, template, full)
+    assert caplog.text == ""
+
+
 @pytest.fixture
 def sft_rows(tmp_path: Path) -> Path:
     path = tmp_path / "sft.jsonl"
