@@ -10,12 +10,13 @@ no learning signal).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import sys
 import time
 import uuid
-from typing import Any
+from typing import Any, ClassVar
 
 from transformers import TrainerCallback
 
@@ -24,13 +25,12 @@ from environments.agent_loop import AgentResult
 from environments.hermes_base_env import HermesAgentBaseEnv, _prepare_workspace
 from environments.registry import env_class
 from environments.tool_context import ToolContext
-from environments.tools import TOOLSETS
+from environments.tools import Tool, resolve_toolsets
 from training.config import RunnerConfig
 from training.models import resolve_model
 from training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
 
 logger = logging.getLogger(__name__)
-_FILE_TOOLS = {t.name: t for t in TOOLSETS["terminal"] + TOOLSETS["file"]}
 
 # `vllm serve` flags and environment that TRL's GRPO server mode needs (weights are pushed over NCCL;
 # log-probs must reflect sampling). Pass them as `ServerConfig(extra_args=..., env=...)` when starting it.
@@ -53,7 +53,14 @@ def load_env(name: str, **config: Any) -> HermesAgentBaseEnv:
 
 
 class SandboxToolEnv:
-    """One rollout's sandbox for TRL's tool loop; public methods are the agent's tools."""
+    """One rollout's sandbox for TRL's tool loop; public methods are the agent's tools.
+
+    Use `tool_env_class(env)`: it adds one method per tool the env gives its agent (its toolsets
+    and its own, such as the web env's browser), with the tool's own signature and docstring,
+    which is where TRL reads the schema the model sees.
+    """
+
+    tools: ClassVar[dict[str, Tool]] = {}
 
     def __init__(self, env: HermesAgentBaseEnv) -> None:
         self._env = env
@@ -68,39 +75,6 @@ class SandboxToolEnv:
         self._ctx = ToolContext(f"grpo-{self._item['item_id']}-{uuid.uuid4().hex[:8]}")
         _prepare_workspace(self._ctx, self._item)
         self._calls = 0
-
-    def list_files(self, path: str = ".") -> str:
-        """List the files under a folder of the workspace, recursively.
-
-        Args:
-            path: Folder relative to the workspace.
-        """
-        return self._tool("list_files", path=path)
-
-    def read_file(self, path: str) -> str:
-        """Read a text file from the workspace.
-
-        Args:
-            path: File path relative to the workspace.
-        """
-        return self._tool("read_file", path=path)
-
-    def write_file(self, path: str, content: str) -> str:
-        """Create or overwrite a text file in the workspace.
-
-        Args:
-            path: File path relative to the workspace.
-            content: The full new content of the file.
-        """
-        return self._tool("write_file", path=path, content=content)
-
-    def terminal(self, command: str) -> str:
-        """Run a bash command in the workspace and return its exit code and output.
-
-        Args:
-            command: The shell command to run.
-        """
-        return self._tool("terminal", command=command)
 
     def _verify(self, completion: Any) -> float:
         """The env's verifier on this rollout's sandbox, then the sandbox is released."""
@@ -119,7 +93,7 @@ class SandboxToolEnv:
         if self._ctx is None:
             return "Error: no task is active"
         try:
-            return _FILE_TOOLS[name](self._ctx, arguments)
+            return self.tools[name](self._ctx, arguments)
         except Exception as err:  # A tool failure is the model's to see, never a crashed step.
             return f"Error: {err}"
 
@@ -127,6 +101,29 @@ class SandboxToolEnv:
         if self._ctx is not None:
             self._ctx.cleanup()
             self._ctx = None
+
+
+def tool_env_class(env: HermesAgentBaseEnv) -> type[SandboxToolEnv]:
+    """A `SandboxToolEnv` whose methods are exactly the tools `env` gives its agent."""
+    tools = {t.name: t for t in resolve_toolsets(env.config.enabled_toolsets) + env.extra_tools()}
+    methods = {name: _tool_method(t) for name, t in tools.items()}
+    return type(f"{type(env).__name__}Tools", (SandboxToolEnv,), {"tools": tools, **methods})
+
+
+def _tool_method(tool: Tool) -> Any:
+    """`tool.fn(ctx, **args)` as a method `(self, **args)`: same parameters, annotations and docstring."""
+    parameters = list(inspect.signature(tool.fn).parameters.values())[1:]  # Drop the ToolContext.
+
+    def method(self: SandboxToolEnv, *args: Any, **kwargs: Any) -> str:
+        bound = inspect.Signature(parameters).bind(*args, **kwargs)
+        return self._tool(tool.name, **bound.arguments)
+
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    method.__name__ = method.__qualname__ = tool.name
+    method.__doc__ = tool.fn.__doc__
+    method.__signature__ = inspect.Signature([self_param, *parameters], return_annotation=str)
+    method.__annotations__ = {p.name: p.annotation for p in parameters} | {"return": "str"}
+    return method
 
 
 def env_reward(run: RunDir, every: int) -> Any:
@@ -228,13 +225,14 @@ def run_grpo(cfg: RunnerConfig, store: ArtifactStore, callbacks: list[Any] | Non
     )
     run = RunDir(cfg.logs_root, cfg.output_name)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    tools_class = tool_env_class(env)
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
         reward_funcs=[env_reward(run, cfg.rollouts_every)],
         args=grpo_args(cfg, str(run.checkpoints)),
         train_dataset=task_dataset(env, cfg.num_tasks),
         processing_class=tokenizer,
-        environment_factory=lambda: SandboxToolEnv(env),
+        environment_factory=lambda: tools_class(env),
         callbacks=[MetricsCallback(run), NonFiniteGuard(), RewardDistributionWarning(), *(callbacks or [])],
     )
     trainer.train()

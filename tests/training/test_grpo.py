@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from pathlib import Path
@@ -13,11 +14,11 @@ from data import ArtifactStore
 from training.config import ConfigError, RunnerConfig, load_config
 from training.grpo import (
     RewardDistributionWarning,
-    SandboxToolEnv,
     env_reward,
     grpo_args,
     load_env,
     task_dataset,
+    tool_env_class,
 )
 from training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
 
@@ -111,7 +112,7 @@ def test_one_grpo_step_runs_the_env_tool_loop(tiny_model: Path, tmp_path: Path) 
     _script_generation(model, tokenizer)
     calls: list[str] = []
 
-    class Spy(SandboxToolEnv):
+    class Spy(tool_env_class(env)):
         def list_files(self, path: str = ".") -> str:
             """List the files under a folder of the workspace, recursively.
 
@@ -188,3 +189,27 @@ def test_grpo_vllm_generation_server_command(tiny_model: Path) -> None:
                                   vllm_server_base_url="http://127.0.0.1:8000"), "/tmp/x")  # fmt: skip
     assert args["use_vllm"] and args["vllm_mode"] == "server" and args["bf16"] and "use_cpu" not in args
     assert args["vllm_server_base_url"] == "http://127.0.0.1:8000" and args["beta"] == 0.04
+
+
+def test_the_rollout_tools_are_the_envs_own_tools(tiny_model: Path) -> None:
+    """GRPO's tool env offers what the agent loop offers: the web env's browser, not the shell."""
+    from transformers.utils import get_json_schema
+
+    env = load_env("web_navigation", tokenizer_name=str(tiny_model), difficulty="easy", categories=["lookup_price"])
+    try:
+        tools = tool_env_class(env)(env)
+        assert {"open_url", "follow_link", "search", "submit_form"} <= set(dir(tools))
+        assert not hasattr(tools, "terminal") and not hasattr(tools, "write_file")
+        schema = get_json_schema(tools.open_url)["function"]  # What TRL shows the model.
+        assert schema["name"] == "open_url" and schema["parameters"]["required"] == ["url"]
+        assert "Absolute URL" in schema["parameters"]["properties"]["url"]["description"]
+        tools.reset(task_index=0)
+        item = env.stream.item(0)
+        home = tools.open_url(url=env.format_prompt(item).split("home page is ")[1].split()[0])
+        assert home.startswith("URL: http://127.0.0.1") and "search" in home
+        found = tools.search(query=item["answer"]["ids"][0])
+        assert "Error" not in found
+        assert tools.follow_link(text="no such link").startswith("Error: follow_link")
+        assert tools._verify([{"role": "assistant", "content": "no idea"}]) == 0.0
+    finally:
+        asyncio.run(env.close())
