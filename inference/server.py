@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import contextvars
 import logging
 import os
 import shutil
@@ -207,7 +208,12 @@ class ModelServer:
             start_new_session=True,  # Own process group: stop() kills every worker it spawns.
         )
         _LIVE.add(self)
-        self._reader = threading.Thread(target=self._stream_log, name="model-server-log", daemon=True)
+        # The reader thread runs in a copy of this context, so the caller's run context (a Prefect
+        # flow run's, say) tags the server's lines and they reach that run's log.
+        context = contextvars.copy_context()
+        self._reader = threading.Thread(
+            target=context.run, args=(self._stream_log,), name="model-server-log", daemon=True
+        )
         self._reader.start()
         try:
             self.model_name = wait_until_healthy(self.base_url, self.config.startup_timeout_s, self.process)

@@ -18,6 +18,7 @@ from tests.flows.conftest import flow_runs
 FLOW = textwrap.dedent(
     """
     import sys, time
+    import flows  # Flywheel flows live in this package; importing it routes library logs to the run log.
     from prefect import flow
     from inference import ModelServer, ServerConfig
 
@@ -35,6 +36,7 @@ FLOW = textwrap.dedent(
 def start_flow(tiny_model: Path, tmp_path: Path, env: dict, timeout_s: float) -> tuple[subprocess.Popen, Path]:
     pid_file = tmp_path / "server.pid"
     command = [sys.executable, "-c", FLOW, str(tiny_model), str(pid_file), str(timeout_s)]
+    env = {**env, "PREFECT_LOGGING_EXTRA_LOGGERS": "inference"}  # Prefect is imported first: as in prefect.yaml.
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return process, pid_file
 
