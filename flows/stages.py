@@ -51,7 +51,7 @@ def gpu_slots(profile: RoundProfile) -> Iterator[None]:
 
 @stage_flow("generate")
 def generate(params: GenerateParams) -> str:
-    """Teacher rollouts (the env oracle) in `process` mode, steered by the last round's task mix."""
+    """Rollouts in `process` mode by the profile's teacher, steered by the last round's task mix."""
     manifest = work.generate(params)
     metrics_table(manifest, "rollout-stats", f"Rollout statistics, round {params.round_no}")
     return manifest.id
