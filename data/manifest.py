@@ -5,12 +5,38 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SHA256_PATTERN = "^[0-9a-f]{64}$"
+_MAX_PART_BYTES = 255  # NAME_MAX of the file systems an artifact is written to.
+
+
+def check_relpaths(relpaths: Iterable[str]) -> None:
+    """Raise ValueError unless every path is canonical, relative, inside its folder and not also a folder.
+
+    Checked when an artifact is stored and again whenever a manifest is read, so a hand-edited
+    or forged manifest can never make `get` or `materialize` write outside their destination.
+    """
+    relpaths = set(relpaths)
+    for relpath in relpaths:
+        parts = relpath.split("/")
+        if (
+            not relpath
+            or "\\" in relpath
+            or "\0" in relpath
+            or any(part in ("", ".", "..") for part in parts)
+            or any(len(part.encode()) > _MAX_PART_BYTES for part in parts)
+        ):
+            raise ValueError(f"file name '{relpath}' must be a relative path inside the artifact")
+    folders = {relpath.rsplit("/", i)[0] for relpath in relpaths for i in range(1, relpath.count("/") + 1)}
+    if clash := sorted(folders & relpaths):
+        raise ValueError(f"'{clash[0]}' is both a file and a folder of the artifact")
 
 
 class FileEntry(BaseModel):
@@ -18,8 +44,8 @@ class FileEntry(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    sha256: str = Field(description="Hex sha256 of the file's bytes; also the blob's address.")
-    size: int = Field(description="Size in bytes.")
+    sha256: str = Field(pattern=SHA256_PATTERN, description="Hex sha256 of the file's bytes; also the blob's address.")
+    size: int = Field(ge=0, description="Size in bytes.")
 
 
 class Manifest(BaseModel):
@@ -30,7 +56,9 @@ class Manifest(BaseModel):
     kind: str = Field(description="Artifact kind: model, dataset, rollouts, eval, report, ...")
     name: str = Field(description="Human name; `kind/name` is also a ref to the newest version.")
     files: dict[str, FileEntry] = Field(default_factory=dict, description="Relative path -> blob.")
-    parents: list[str] = Field(default_factory=list, description="Manifest ids this was made from.")
+    parents: list[Annotated[str, Field(pattern=SHA256_PATTERN)]] = Field(
+        default_factory=list, description="Manifest ids this was made from."
+    )
     params: dict[str, Any] = Field(default_factory=dict, description="Parameters that produced it.")
     code_version: str = Field(default_factory=lambda: code_version(), description="Code that made it.")
     created: str = Field(
@@ -38,6 +66,12 @@ class Manifest(BaseModel):
         description="UTC creation time (ISO 8601).",
     )
     metrics: dict[str, Any] = Field(default_factory=dict, description="Figures: counts, scores, cost.")
+
+    @field_validator("files")
+    @classmethod
+    def _files_stay_inside(cls, files: dict[str, FileEntry]) -> dict[str, FileEntry]:
+        check_relpaths(files)
+        return files
 
     def canonical_bytes(self) -> bytes:
         """The exact bytes stored and hashed: sorted keys, no whitespace variance."""

@@ -114,10 +114,10 @@ _CRASHER = textwrap.dedent(
     from data import ArtifactStore
     from data.store import ArtifactStore as Cls
     original = Cls._write_atomic
-    def crash_on_manifest(self, key, data, create_only=False):
+    def crash_on_manifest(self, key, data):
         if "/manifests/" in key:
             os._exit(9)  # Power cut after the blobs, before the manifest.
-        return original(self, key, data, create_only)
+        return original(self, key, data)
     Cls._write_atomic = crash_on_manifest
     ArtifactStore(sys.argv[1]).put("dataset", "d", {"big.bin": os.urandom(100_000), "x": b"new"})
     """
