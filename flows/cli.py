@@ -1,52 +1,69 @@
 """The `flywheel` command line: models, serving and the artifact store.
 
-Every user-facing failure (unknown ref, bad URL, missing credentials, unreachable endpoint) ends
-as one `error: ...` line and exit code 1, never a traceback.
+Every failure ends as one `error: ...` line on stderr, never a traceback: exit code 2 for a bad
+command line (unknown command or option, missing or malformed value), 1 for the rest (unknown ref,
+bad URL, missing credentials, unreachable endpoint, invalid config). `--store` works before or
+after the subcommand; `--json` gives scripts the data instead of tables; piped output never wraps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import json
 import logging
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
-import click
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
+from rich.text import Text
 from rich.tree import Tree
 
-from data import ArtifactStore, LineageNode, StoreError, lineage
+from data import ArtifactStore, LineageNode, Manifest, StoreError, lineage
+from flows.cli_errors import click_error_line, failure_line
 from inference import ModelServer, ServerConfig, ServerError, build_command, chat
 from training import BUILTIN_MODELS, ModelError, prepare_model, resolve_model
 from training.config import ConfigError
 from training.models import default_cache_dir
 
-app = typer.Typer(help="A data flywheel for tool-using LLM agents.", no_args_is_help=True)
-model_app = typer.Typer(help="Prepare built-in models.", no_args_is_help=True)
-artifacts_app = typer.Typer(help="Inspect the artifact store.", no_args_is_help=True)
+app = typer.Typer(help="A data flywheel for tool-using LLM agents.")
+model_app = typer.Typer(help="Prepare built-in models.")
+artifacts_app = typer.Typer(help="Inspect the artifact store.")
 app.add_typer(model_app, name="model")
 train_app = typer.Typer(help="Train: SFT, RL (GRPO) and DPO from a YAML config plus key=value overrides.")
 app.add_typer(artifacts_app, name="artifacts")
 app.add_typer(train_app, name="train")
-infra_app = typer.Typer(help="Prefect work pools, the GPU concurrency limit and failure alerts.", no_args_is_help=True)
+infra_app = typer.Typer(help="Prefect work pools, the GPU concurrency limit and failure alerts.")
 app.add_typer(infra_app, name="infra")
 
-console = Console()
+
+def _stdout_console() -> Console:
+    """Rich on a terminal; piped, lines never wrap (scripts read the paths and ids printed)."""
+    terminal = Console()
+    return terminal if terminal.is_terminal else Console(soft_wrap=True, width=1_000_000)
+
+
+console = _stdout_console()
 err_console = Console(stderr=True)
 USER_ERRORS = (StoreError, ServerError, ModelError, ConfigError)
+STORE_HELP = "Store URL: a path, file://PATH or s3://BUCKET/PREFIX."
+StoreOption = Annotated[str | None, typer.Option("--store", help=STORE_HELP, show_default=False)]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
 
 
 class _State:
     store_url: str | None = None
+    verbose: bool = False
 
     @property
     def store(self) -> ArtifactStore:
@@ -58,13 +75,10 @@ state = _State()
 
 @app.callback()
 def _root(
-    store: Annotated[
-        str | None,
-        typer.Option("--store", envvar="FLYWHEEL_STORE", help="Store URL: a path, file://PATH or s3://BUCKET/PREFIX."),
-    ] = None,
+    store: Annotated[str | None, typer.Option("--store", envvar="FLYWHEEL_STORE", help=STORE_HELP)] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
-    state.store_url = store
+    state.store_url, state.verbose = store, verbose
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(message)s",
@@ -83,6 +97,15 @@ def _byte_progress(description: str, total: int | None = None) -> Iterator[Calla
         yield lambda n: progress.advance(task, n)
 
 
+def _print_json(data: Any) -> None:
+    """`data` as indented JSON on stdout, without Rich's markup or highlighting."""
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
+def _manifest_json(manifest: Manifest) -> dict[str, Any]:
+    return {"id": manifest.id, **manifest.model_dump(mode="json")}
+
+
 # -- models ------------------------------------------------------------------------------------
 
 
@@ -90,12 +113,16 @@ def _byte_progress(description: str, total: int | None = None) -> Iterator[Calla
 def model_prepare(
     name: Annotated[str, typer.Argument(help=f"Built-in model: {' | '.join(BUILTIN_MODELS)}.")],
     force: Annotated[bool, typer.Option(help="Rebuild even if the store has it.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Build a built-in model once and keep it in the store as `model/NAME`."""
     store = state.store
     with _byte_progress(f"storing model/{name}") as progress:
         manifest = prepare_model(name, store, force=force, progress=progress)
     path = resolve_model(name, store)
+    if as_json:
+        _print_json({"ref": f"model/{name}", "id": manifest.id, "size": manifest.size, "path": str(path)})
+        return
     console.print(f"model/{name} = {manifest.id[:12]} ({manifest.size / 1e6:.0f} MB) at {path}")
 
 
@@ -159,14 +186,20 @@ def chat_once(
 
 
 @artifacts_app.command("ls")
-def artifacts_ls(kind: Annotated[str | None, typer.Argument(help="Only this kind.")] = None) -> None:
+def artifacts_ls(
+    kind: Annotated[str | None, typer.Argument(help="Only this kind.")] = None, as_json: JsonOption = False
+) -> None:
     """List artifacts, oldest first, with the refs that point at them."""
     store = state.store
     by_target: dict[str, list[str]] = {}
     for name, target in store.refs().items():
         by_target.setdefault(target, []).append(name)
+    manifests = store.list(kind)
+    if as_json:
+        _print_json([{**_manifest_json(m), "refs": sorted(by_target.get(m.id, []))} for m in manifests])
+        return
     table = Table("id", "kind", "name", "files", "size", "created", "refs")
-    for manifest in store.list(kind):
+    for manifest in manifests:
         table.add_row(
             manifest.id[:12],
             manifest.kind,
@@ -180,10 +213,15 @@ def artifacts_ls(kind: Annotated[str | None, typer.Argument(help="Only this kind
 
 
 @artifacts_app.command("show")
-def artifacts_show(ref: Annotated[str, typer.Argument(help="Ref, kind/name, id or id prefix.")]) -> None:
-    """Print an artifact's manifest as JSON."""
-    manifest = state.store.manifest(ref)
-    console.print_json(json.dumps({"id": manifest.id, **manifest.model_dump(mode="json")}))
+def artifacts_show(
+    ref: Annotated[str, typer.Argument(help="Ref, kind/name, id or id prefix.")], as_json: JsonOption = False
+) -> None:
+    """Print an artifact's manifest as JSON (highlighted on a terminal; plain with --json)."""
+    manifest = _manifest_json(state.store.manifest(ref))
+    if as_json:
+        _print_json(manifest)
+        return
+    console.print_json(json.dumps(manifest))
 
 
 @artifacts_app.command("lineage")
@@ -206,7 +244,7 @@ def artifacts_lineage(ref: Annotated[str, typer.Argument(help="Ref, kind/name, i
 @artifacts_app.command("get")
 def artifacts_get(
     ref: Annotated[str, typer.Argument(help="Ref, kind/name, id or id prefix.")],
-    dest: Annotated[Path, typer.Argument(help="Directory to write the files into.")],
+    dest: Annotated[Path, typer.Argument(file_okay=False, help="Directory to write the files into.")],
 ) -> None:
     """Copy an artifact's files to DEST, verifying every blob."""
     store = state.store
@@ -221,7 +259,7 @@ def artifacts_verify() -> None:
     """Check every manifest, blob and ref; exit 1 if anything is missing or corrupted."""
     problems = state.store.verify()
     for problem in problems:
-        err_console.print(f"[red]problem:[/] {problem}")
+        err_console.print(f"[red]problem:[/] {escape(problem)}", soft_wrap=True)
     if problems:
         raise typer.Exit(1)
     console.print("store OK")
@@ -246,7 +284,7 @@ def train_sft(
 
     cfg = load_config(SFTRunConfig, config, overrides)
     if gpus > 1 or dry_run:
-        command = launch_command(str(config), gpus, cfg.deepspeed)
+        command = launch_command(str(config), gpus, cfg.deepspeed, overrides or [], state.store_url)
         if dry_run:
             console.print(" ".join(command), soft_wrap=True, highlight=False)
             return
@@ -296,19 +334,52 @@ def evaluate(
     batch_size: Annotated[int, typer.Option(help="Fixed batch size.")] = 8,
     suite: Annotated[str, typer.Option(help="flywheel (lm-eval suite) | agentic (the envs) | all.")] = "flywheel",
     eval_size: Annotated[int, typer.Option(help="agentic: held-out tasks per env.")] = 8,
+    as_json: JsonOption = False,
 ) -> None:
-    """Evaluate a model: lm-evaluation-harness (shipped suite, user or bundled tasks) and/or the envs."""
-    from evaluation.lm_eval_runner import LMEvalConfig, model_ref_of, run_lm_eval
-    from evaluation.suite import SUITE_TASKS
+    """Evaluate a model: lm-evaluation-harness (shipped suite, user or bundled tasks) and/or the envs.
 
+    `--json` prints `{"agentic": {ref, id, metrics}, "lm_eval": {ref, id, results}}` (the suites that ran).
+    """
     if suite not in ("flywheel", "agentic", "all"):
         raise ConfigError(f"unknown suite '{suite}': choose flywheel, agentic or all")
     store = state.store
     model_dir = resolve_model(model, store)
+    outcome: dict[str, Any] = {}
     if suite in ("agentic", "all"):
-        _agentic_eval(model, model_dir, server, eval_size)
-        if suite == "agentic":
-            return
+        agentic = _agentic_eval(model, model_dir, server, eval_size)
+        outcome["agentic"] = {"ref": f"eval/{agentic.name}", "id": agentic.id, "metrics": agentic.metrics}
+        if not as_json:
+            console.print(f"eval/{agentic.name} = {agentic.id[:12]}  {json.dumps(agentic.metrics)}")
+    if suite in ("flywheel", "all"):
+        manifest = _lm_eval(model, model_dir, tasks, include_path, server, backend, limit, batch_size)
+        results = store.read_json(manifest.id, "results.json")["results"]
+        outcome["lm_eval"] = {"ref": f"eval/{manifest.name}", "id": manifest.id, "results": results}
+        if not as_json:
+            table = Table("task", "metric", "value")
+            for task, values in results.items():
+                for key, value in values.items():
+                    if isinstance(value, float) and "stderr" not in key:
+                        table.add_row(task, key.split(",")[0], f"{value:.3f}")
+            console.print(table)
+            console.print(f"eval/{manifest.name} = {manifest.id[:12]}")
+    if as_json:
+        _print_json(outcome)
+
+
+def _lm_eval(
+    model: str,
+    model_dir: Path,
+    tasks: list[str] | None,
+    include_path: Path | None,
+    server: str | None,
+    backend: str | None,
+    limit: int | None,
+    batch_size: int,
+) -> Manifest:
+    from evaluation.lm_eval_runner import LMEvalConfig, model_ref_of, run_lm_eval
+    from evaluation.suite import SUITE_TASKS
+
+    store = state.store
     server_model = None
     if server:
         from inference import wait_until_healthy
@@ -324,19 +395,12 @@ def evaluate(
             limit=limit,
             batch_size=batch_size,
         )
-        manifest = run_lm_eval(cfg, store, model_dir, model_ref_of(store, model))
+        return run_lm_eval(cfg, store, model_dir, model_ref_of(store, model))
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    table = Table("task", "metric", "value")
-    for task, values in store.read_json(manifest.id, "results.json")["results"].items():
-        for key, value in values.items():
-            if isinstance(value, float) and "stderr" not in key:
-                table.add_row(task, key.split(",")[0], f"{value:.3f}")
-    console.print(table)
-    console.print(f"eval/{manifest.name} = {manifest.id[:12]}")
 
 
-def _agentic_eval(model: str, model_dir: Path, server: str | None, eval_size: int) -> None:
+def _agentic_eval(model: str, model_dir: Path, server: str | None, eval_size: int) -> Manifest:
     from evaluation.agentic import AgenticEvalConfig, run_agentic_eval
     from evaluation.lm_eval_runner import model_ref_of
     from inference import wait_until_healthy
@@ -349,8 +413,7 @@ def _agentic_eval(model: str, model_dir: Path, server: str | None, eval_size: in
         else:
             name = wait_until_healthy(server.rstrip("/"), 30)
         cfg = AgenticEvalConfig(base_url=server, model_name=name, tokenizer=str(model_dir), eval_size=eval_size)
-        manifest = run_agentic_eval(cfg, store, model_ref_of(store, model))
-    console.print(f"eval/{manifest.name} = {manifest.id[:12]}  {json.dumps(manifest.metrics)}")
+        return run_agentic_eval(cfg, store, model_ref_of(store, model))
 
 
 @app.command("report")
@@ -410,25 +473,72 @@ def infra_setup(
     alert_url: Annotated[str | None, typer.Option(help="Webhook to POST to when a flywheel run fails.")] = None,
 ) -> None:
     """Create or update the pools `cpu` and `h100`, the `gpu` limit and the failure alert."""
+    import httpx
+    from prefect.settings import PREFECT_API_URL
+
     from flows.infra import setup
 
-    for line in setup(kubernetes, gpu_slots, alert_url):
+    try:
+        lines = setup(kubernetes, gpu_slots, alert_url)
+    except httpx.TransportError as err:
+        raise ConfigError(
+            f"cannot reach the Prefect API at {PREFECT_API_URL.value()} ({err}): start `prefect server start` "
+            "or set PREFECT_API_URL"
+        ) from err
+    for line in lines:
         console.print(line)
 
 
-def main() -> None:
-    """Entry point: run the app, turning user errors into one line and exit code 1."""
+# -- every subcommand takes --store; every failure is one line -----------------------------------
+
+
+def _with_store_option(command: Callable[..., Any]) -> Callable[..., Any]:
+    """`command` with a `--store` option of its own (Typer reads the added parameter from the signature)."""
+
+    @functools.wraps(command)
+    def run(*args: Any, store: str | None = None, **kwargs: Any) -> Any:
+        if store is not None:
+            state.store_url = store
+        return command(*args, **kwargs)
+
+    signature = inspect.signature(command, eval_str=True)
+    option = inspect.Parameter("store", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=StoreOption)
+    run.__signature__ = signature.replace(parameters=[*signature.parameters.values(), option])  # type: ignore[attr-defined]
+    return run
+
+
+def _accept_store_everywhere(typer_app: typer.Typer) -> None:
+    """Let `--store` follow any subcommand, not only precede it (`flywheel artifacts ls --store URL`)."""
+    for command in typer_app.registered_commands:
+        assert command.callback is not None
+        command.callback = _with_store_option(command.callback)
+    for group in typer_app.registered_groups:
+        assert group.typer_instance is not None
+        _accept_store_everywhere(group.typer_instance)
+
+
+_accept_store_everywhere(app)
+
+
+def _fail(message: str, code: int) -> None:
+    err_console.print(Text.assemble(("error:", "red"), " ", message), highlight=False, soft_wrap=True)
+    sys.exit(code)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point: run the app; a bad command line ends as one line and exit 2, any other failure exit 1."""
     try:
-        result = app(standalone_mode=False)  # Returns the exit code of a typer.Exit.
-    except USER_ERRORS as err:
-        err_console.print(f"[red]error:[/] {err}", highlight=False, soft_wrap=True)
-        sys.exit(1)
-    except click.exceptions.Exit as done:
-        sys.exit(done.exit_code)
-    except click.exceptions.Abort:
-        err_console.print("aborted")
-        sys.exit(130)
-    except click.ClickException as err:
-        err.show()
-        sys.exit(err.exit_code)
+        result = typer.main.get_command(app).main(args=argv, prog_name="flywheel", standalone_mode=False)
+    except typer.TyperException as err:  # Typer's vendored click: usage errors (exit_code 2), file errors (1).
+        _fail(click_error_line(err), err.exit_code)
+    except typer.Abort:
+        _fail("aborted", 1)
+    except Exception as err:  # The CLI's promise: any failure is a line, never a traceback.
+        if state.verbose and not isinstance(err, USER_ERRORS):
+            logging.getLogger(__name__).debug("traceback", exc_info=err)
+        _fail(failure_line(err, USER_ERRORS, state.verbose), 1)
     sys.exit(result if isinstance(result, int) else 0)
+
+
+if __name__ == "__main__":  # `accelerate launch -m flows.cli ...` (multi-GPU SFT) runs the module.
+    main()

@@ -16,6 +16,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -207,8 +208,15 @@ def run_sft(cfg: SFTRunConfig, store: ArtifactStore, callbacks: list[Any] | None
     return manifest
 
 
-def launch_command(config_file: str, num_gpus: int, deepspeed: str | None = "zero3") -> list[str]:
-    """The `accelerate launch` argv that runs this SFT config on `num_gpus` GPUs (pure: nothing runs)."""
+def launch_command(
+    config_file: str,
+    num_gpus: int,
+    deepspeed: str | None = "zero3",
+    overrides: Sequence[str] = (),
+    store_url: str | None = None,
+) -> list[str]:
+    """The `accelerate launch` argv that runs this SFT config with its `key=value` overrides on `num_gpus`
+    GPUs, saving into `store_url` (None: the launched process's own default); pure: nothing runs."""
     command = ["accelerate", "launch", "--num_processes", str(num_gpus), "--num_machines", "1"]
     if deepspeed:
         command += [
@@ -219,4 +227,5 @@ def launch_command(config_file: str, num_gpus: int, deepspeed: str | None = "zer
         ]
     else:
         command.append("--multi_gpu")
-    return [*command, "-m", "flows.cli", "train", "sft", "--config", config_file]
+    store = ["--store", store_url] if store_url else []
+    return [*command, "-m", "flows.cli", *store, "train", "sft", "--config", config_file, *overrides]

@@ -1,18 +1,24 @@
 """`run_logged`: a launched trainer's output reaches the log, failures say why, and an interrupted
 caller takes the child's whole process group down (what happens to `accelerate launch` when a
-stage times out or is cancelled)."""
+stage times out or is cancelled). `launch_command`: what each launched process runs carries every
+override and the store."""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from training.launch import LaunchError, run_logged
+from training.sft import launch_command
+
+SFT_CONFIG = str(Path(__file__).resolve().parents[2] / "training" / "configs" / "sft_tiny.yaml")
 
 
 def test_output_is_logged_line_by_line(caplog: pytest.LogCaptureFixture) -> None:
@@ -57,3 +63,29 @@ def _alive(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except (ProcessLookupError, FileNotFoundError):
         return False
+
+
+def test_launch_command_carries_every_override_and_the_store() -> None:
+    command = launch_command("cfg.yaml", 2, None, ["max_steps=5", "learning_rate=1e-4"], "s3://bucket/runs")
+    assert command[:4] == ["accelerate", "launch", "--num_processes", "2"] and "--multi_gpu" in command
+    cli = command[command.index("-m") + 1 :]
+    assert cli == ["flows.cli", "--store", "s3://bucket/runs", "train", "sft", "--config", "cfg.yaml",
+                   "max_steps=5", "learning_rate=1e-4"]  # fmt: skip
+
+
+def _run_launched_process(command: list[str]) -> subprocess.CompletedProcess[str]:
+    """What each GPU's process runs: `python -m flows.cli ...` (accelerate only adds the process group)."""
+    module = command[command.index("-m") :]
+    return subprocess.run([sys.executable, *module], capture_output=True, text=True, timeout=120)
+
+
+def test_the_launched_process_trains_with_the_overrides(tmp_path: Path) -> None:
+    result = _run_launched_process(launch_command(SFT_CONFIG, 2, None, ["max_steps=0"], str(tmp_path)))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.startswith("error: ") and "max_steps" in result.stderr
+
+
+def test_the_launched_process_saves_into_the_given_store() -> None:
+    result = _run_launched_process(launch_command(SFT_CONFIG, 2, None, [], "ftp://elsewhere/store"))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.startswith("error: ") and "ftp://elsewhere/store" in result.stderr

@@ -1,0 +1,140 @@
+"""Bad input to the real `flywheel` entry point ends as exactly one `error: ...` line on stderr and
+exit code 2 (a bad command line) or 1 (anything else), never a traceback. Every subcommand and
+command group is enumerated from the Typer app itself, so a new one is covered without edits here.
+Every input fails before a model loads or a server starts."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from pathlib import Path
+
+import pytest
+import typer
+
+from data import ArtifactStore
+from flows import cli
+from flows.cli import app
+from flows.cli_errors import failure_line
+from tests.flows.test_cli import run
+
+SFT_CONFIG = Path(__file__).resolve().parents[2] / "training" / "configs" / "sft_tiny.yaml"
+
+
+def _paths(command: object, prefix: tuple[str, ...] = ()) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
+    """(command groups, runnable subcommands) of a click command tree, as argv prefixes."""
+    subcommands = getattr(command, "commands", None)
+    if subcommands is None:
+        return [], [prefix]
+    groups, leaves = [prefix], []
+    for name, sub in sorted(subcommands.items()):
+        sub_groups, sub_leaves = _paths(sub, (*prefix, name))
+        groups += sub_groups
+        leaves += sub_leaves
+    return groups, leaves
+
+
+GROUPS, SUBCOMMANDS = _paths(typer.main.get_command(app))
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess[str], code: int, *needles: str) -> str:
+    """The exit code is `code`, stderr is one `error: ` line holding every needle, no traceback anywhere."""
+    output = result.stdout + result.stderr
+    assert result.returncode == code, output
+    assert "Traceback" not in output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def test_the_app_has_the_subcommands_we_expect_to_cover() -> None:
+    assert ("artifacts", "ls") in SUBCOMMANDS and ("serve",) in SUBCOMMANDS and ("infra", "setup") in SUBCOMMANDS
+    assert () in GROUPS and ("train",) in GROUPS
+
+
+@pytest.mark.parametrize("path", SUBCOMMANDS, ids=" ".join)
+def test_every_subcommand_answers_an_unknown_option_with_one_usage_line(path: tuple[str, ...]) -> None:
+    result = run(*path, "--no-such-option")
+    assert_one_error_line(result, 2, "No such option: --no-such-option", f"flywheel {' '.join(path)} --help")
+
+
+@pytest.mark.parametrize("path", GROUPS, ids=lambda path: " ".join(path) or "flywheel")
+def test_every_command_group_without_a_subcommand_lists_the_commands(path: tuple[str, ...]) -> None:
+    assert_one_error_line(run(*path), 2, "Missing command.", "Commands: ")
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["serve"], "Missing argument"),
+        (["serve", "tiny", "--port"], "Option '--port' requires an argument"),
+        (["serve", "tiny", "--port", "abc"], "Invalid value for '--port'"),
+        (["nope"], "No such command 'nope'"),
+        (["artifacts", "show"], "Missing argument"),
+    ],
+    ids=["missing-argument", "missing-value", "port-abc", "unknown-subcommand", "missing-ref"],
+)
+def test_usage_errors_are_one_line_and_exit_2(argv: list[str], needle: str) -> None:
+    assert_one_error_line(run(*argv), 2, needle)
+
+
+@pytest.mark.parametrize("where", ["file", "proc"])
+def test_a_store_that_cannot_be_a_directory_is_one_line(tmp_path: Path, where: str) -> None:
+    url = "/proc/version/store" if where == "proc" else str(tmp_path / "a-file")
+    (tmp_path / "a-file").write_text("not a store")
+    assert_one_error_line(run("--store", url, "artifacts", "ls"), 1)
+
+
+def test_get_into_a_file_is_a_usage_error(tmp_path: Path) -> None:
+    store = ArtifactStore(str(tmp_path / "store"))
+    store.put("dataset", "d", {"train.jsonl": b"{}\n"})
+    target = tmp_path / "a-file"
+    target.write_text("keep me")
+    result = run("--store", store.url, "artifacts", "get", "dataset/d", str(target))
+    assert_one_error_line(result, 2, "is a file")
+    assert target.read_text() == "keep me"
+
+
+def test_an_unreachable_prefect_server_is_one_line(tmp_path: Path) -> None:
+    env = {
+        "PREFECT_API_URL": "http://127.0.0.1:9/api",
+        "PREFECT_CLIENT_MAX_RETRIES": "0",
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+    }
+    assert_one_error_line(run("infra", "setup", env=env), 1, "cannot reach the Prefect API at http://127.0.0.1:9/api")
+
+
+@pytest.mark.parametrize("case", ["binary", "mixed-keys", "bad-override"])
+def test_an_unparsable_config_or_override_is_one_line(tmp_path: Path, case: str) -> None:
+    config, overrides = tmp_path / "config.yaml", []
+    if case == "binary":
+        config.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
+    elif case == "mixed-keys":
+        config.write_text("model: tiny\n2: two\n")
+    else:
+        config, overrides = SFT_CONFIG, ["x=["]
+    result = run("--store", str(tmp_path / "store"), "train", "sft", "--config", str(config), *overrides)
+    assert_one_error_line(result, 1)
+
+
+def test_failure_lines_are_one_line_and_name_unexpected_error_types() -> None:
+    assert failure_line(ValueError("while parsing\n  line 1:\n    [\n"), (ValueError,)) == "while parsing line 1: ["
+    assert failure_line(KeyError("k"), (ValueError,)) == "KeyError: 'k' (-v shows the traceback)"
+    assert failure_line(KeyError("k"), (ValueError,), verbose=True) == "KeyError: 'k'"
+    assert failure_line(RuntimeError(), ()) == "RuntimeError (-v shows the traceback)"
+
+
+def test_verbose_logs_the_traceback_of_an_unexpected_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broken(*_: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli, "resolve_model", broken)
+    with caplog.at_level(logging.DEBUG, logger="flows.cli"), pytest.raises(SystemExit) as done:
+        cli.main(["-v", "serve", "tiny"])
+    assert done.value.code == 1
+    assert capsys.readouterr().err.strip() == "error: RuntimeError: a bug"
+    assert [r.exc_info[0] for r in caplog.records if r.exc_info] == [RuntimeError]
