@@ -2,9 +2,14 @@
 
 Each turn asks the server for a reply, takes its native `tool_calls` or parses them from the
 text, runs each call in the task's sandbox and appends the result as a `tool` message. Tool
-failures (unknown tool, bad arguments, a failing command, a path outside the workspace) go back
-to the model as tool messages and are recorded in `tool_errors`. Only infrastructure failures
-(the inference server unreachable or erroring after retries) end the rollout, as `infra_error`.
+failures (unknown tool, bad arguments, a failing command, a path outside the workspace, any
+exception a tool raises) go back to the model as tool messages and are recorded in `tool_errors`.
+Only infrastructure failures (`InfraError`: the inference server unreachable after retries, the
+sandbox broken) end the rollout, as `infra_error`; `run` never raises.
+
+No reply can break what comes after the loop: at most `max_tool_calls_per_reply` calls of a reply
+run (the rest are reported to the model as an error), and every string that enters the
+conversation is `sanitize`d, so tokenisers and UTF-8 JSONL writers accept it.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -21,6 +27,10 @@ from environments.tool_context import ToolContext
 from environments.tools import TOOLSETS, Tool
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOOL_CALLS_PER_REPLY = 8
+_MAX_ARGUMENT_DEPTH = 32
+_SURROGATES = re.compile(r"[\ud800-\udfff]")
 
 
 class ChatServer(Protocol):
@@ -68,6 +78,7 @@ class HermesAgentLoop:
         tool_call_parser: str = "hermes",
         tools: list[Tool] | None = None,
         inference_retries: int = 2,
+        max_tool_calls_per_reply: int = DEFAULT_MAX_TOOL_CALLS_PER_REPLY,
     ) -> None:
         self.server = server
         self.tool_schemas = tool_schemas
@@ -82,38 +93,52 @@ class HermesAgentLoop:
         known.update({t.name: t for t in tools or []})
         self.tools = {name: known[name] for name in self.valid_tool_names if name in known}
         self.inference_retries = inference_retries
+        self.max_tool_calls_per_reply = max_tool_calls_per_reply
 
     async def run(self, messages: list[dict[str, Any]]) -> AgentResult:
         """Run the loop on `messages` (system + user, usually); returns the whole conversation."""
-        result = AgentResult(messages=[dict(m) for m in messages])
+        result = AgentResult(messages=[sanitize(dict(m)) for m in messages])
+        try:
+            await self._turns(result)
+        except InfraError as err:
+            result.infra_error = sanitize(str(err))
+        except Exception as err:  # A bug of ours, not the model's fault: count it as infra, keep the batch.
+            logger.exception("agent loop failed for task %s", self.task_id)
+            result.infra_error = sanitize(f"agent loop failed: {type(err).__name__}: {err}")
+        return result
+
+    async def _turns(self, result: AgentResult) -> None:
         ctx = ToolContext(self.task_id)
         for turn in range(self.max_turns):
-            try:
-                reply = await self._complete(result.messages)
-            except InfraError as err:
-                result.infra_error = str(err)
-                return result
+            reply = await self._complete(result.messages)
             result.turns_used = turn + 1
             usage = getattr(reply, "usage", None)
             result.completion_tokens += getattr(usage, "completion_tokens", 0) or 0
             result.prompt_tokens += getattr(usage, "prompt_tokens", 0) or 0
-            content, calls, parse_errors = self._read_reply(reply)
+            content, calls, parse_errors = sanitize(self._read_reply(reply))
+            dropped = len(calls) - self.max_tool_calls_per_reply
+            calls = calls[: self.max_tool_calls_per_reply]
             assistant: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 assistant["tool_calls"] = [call.as_message_entry() for call in calls]
             result.messages.append(assistant)
             for error in parse_errors:
                 result.tool_errors.append(ToolError(turn, "<parse>", None, error))
-            if not calls:
-                if parse_errors:  # Tell the model its call was malformed and let it retry.
-                    result.messages.append({"role": "user", "content": f"Tool call error: {parse_errors[0]}"})
-                    continue
+            if dropped > 0:
+                error = (
+                    f"the reply had {len(calls) + dropped} tool calls; only the first "
+                    f"{self.max_tool_calls_per_reply} ran, the other {dropped} were dropped"
+                )
+                result.tool_errors.append(ToolError(turn, "<too many calls>", None, error))
+                parse_errors = [error, *parse_errors]
+            if not calls and not parse_errors:
                 result.finished_naturally = True
-                return result
+                return
             for call in calls:
                 text = await self._execute(ctx, call, turn, result)
                 result.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": text})
-        return result
+            if parse_errors:  # Tell the model what went wrong with its calls and let it retry.
+                result.messages.append({"role": "user", "content": f"Tool call error: {parse_errors[0]}"})
 
     async def _complete(self, messages: list[dict[str, Any]]) -> Any:
         kwargs: dict[str, Any] = {
@@ -140,40 +165,91 @@ class HermesAgentLoop:
         raise InfraError(f"inference failed after {self.inference_retries + 1} attempts: {last}")
 
     def _read_reply(self, reply: Any) -> tuple[str, list[ParsedToolCall], list[str]]:
-        """Content and tool calls, native if the server parsed them, else parsed from the text."""
+        """Content and tool calls, native if the server parsed them, else parsed from the text.
+
+        Calls whose arguments nest deeper than `_MAX_ARGUMENT_DEPTH` become errors: no tool needs
+        them, and they would exhaust the recursion of whatever walks the conversation later.
+        """
         try:
             message = reply.choices[0].message
         except (AttributeError, IndexError, TypeError):
             return "", [], ["the server returned no choices"]
-        text = message.content or ""
+        text = message.content if isinstance(message.content, str) else ""
         native = getattr(message, "tool_calls", None) or []
         if native:
-            calls, errors = [], []
-            for entry in native:
-                function = entry.function
-                try:
-                    arguments = json.loads(function.arguments) if function.arguments else {}
-                except (json.JSONDecodeError, TypeError):
-                    errors.append(f"arguments of '{function.name}' are not valid JSON")
-                    continue
-                calls.append(ParsedToolCall(function.name, arguments if isinstance(arguments, dict) else {}))
-            return text, calls, errors
-        parsed = self.parser.parse(text)
-        return parsed.content, parsed.tool_calls, parsed.errors
+            calls, errors = self._read_native(native)
+        else:
+            try:
+                parsed = self.parser.parse(text)
+            except Exception as err:  # Parsers should never raise; a registered one might.
+                return text, [], [f"could not parse the reply: {type(err).__name__}: {err}"]
+            text, calls, errors = parsed.content, parsed.tool_calls, parsed.errors
+        kept = []
+        for call in calls:
+            if _nests_deeper(call.arguments, _MAX_ARGUMENT_DEPTH):
+                errors.append(f"arguments of '{call.name:.80}' nest deeper than {_MAX_ARGUMENT_DEPTH} levels")
+            else:
+                kept.append(call)
+        return text, kept, errors
+
+    @staticmethod
+    def _read_native(native: list[Any]) -> tuple[list[ParsedToolCall], list[str]]:
+        """Calls the server parsed itself (OpenAI `tool_calls`, arguments as a JSON string)."""
+        calls, errors = [], []
+        for entry in native:
+            name = getattr(getattr(entry, "function", None), "name", None)
+            arguments = getattr(getattr(entry, "function", None), "arguments", None)
+            try:
+                arguments = json.loads(arguments) if isinstance(arguments, str) and arguments else arguments
+            except (ValueError, RecursionError):
+                errors.append(f"arguments of '{name!s:.80}' are not valid JSON")
+                continue
+            if not isinstance(name, str) or not isinstance(arguments, dict | None):
+                errors.append("a tool call needs a function name and a JSON object of arguments")
+                continue
+            calls.append(ParsedToolCall(name, arguments or {}))
+        return calls, errors
 
     async def _execute(self, ctx: ToolContext, call: ParsedToolCall, turn: int, result: AgentResult) -> str:
+        """The tool's text result, or `Error: ...` (recorded in `tool_errors`) for anything but infra."""
         tool = self.tools.get(call.name)
         if tool is None:
-            error = f"unknown tool '{call.name}'; available: {', '.join(sorted(self.tools))}"
-            result.tool_errors.append(ToolError(turn, call.name, call.arguments, error))
-            return f"Error: {error}"
-        try:
-            return await asyncio.to_thread(tool, ctx, call.arguments)
-        except InfraError:
-            raise
-        except AgentError as err:
-            result.tool_errors.append(ToolError(turn, call.name, call.arguments, str(err)))
-            return f"Error: {err}"
+            error = f"unknown tool '{call.name:.80}'; available: {', '.join(sorted(self.tools))}"
+        else:
+            try:  # A `Tool` turns whatever its arguments provoke into a ToolCallError.
+                return sanitize(await asyncio.to_thread(tool, ctx, call.arguments))
+            except InfraError:
+                raise
+            except AgentError as err:
+                error = sanitize(str(err))
+        result.tool_errors.append(ToolError(turn, call.name, call.arguments, error))
+        return f"Error: {error}"
+
+
+def sanitize(value: Any) -> Any:
+    """`value` with every lone surrogate (a `"\\ud800"` escape in model JSON) replaced by U+FFFD.
+
+    Such strings cannot be encoded as UTF-8, so they would break the tokeniser and JSONL files.
+    Walks dicts, lists, tuples and `ParsedToolCall`s; other values pass as they are.
+    """
+    if isinstance(value, str):
+        return _SURROGATES.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {sanitize(k): sanitize(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(sanitize(v) for v in value)
+    if isinstance(value, ParsedToolCall):
+        return ParsedToolCall(sanitize(value.name), sanitize(value.arguments), value.id)
+    return value
+
+
+def _nests_deeper(value: Any, levels: int) -> bool:
+    """Whether `value` has containers nested more than `levels` deep (stops looking past that)."""
+    if not isinstance(value, dict | list):
+        return False
+    if levels == 0:
+        return True
+    return any(_nests_deeper(item, levels - 1) for item in (value.values() if isinstance(value, dict) else value))
 
 
 def _for_api(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ from typing import Any, Literal
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from pydantic import Field, field_validator
 
-from environments.agent_loop import AgentResult, HermesAgentLoop
+from environments.agent_loop import DEFAULT_MAX_TOOL_CALLS_PER_REPLY, AgentResult, HermesAgentLoop, sanitize
 from environments.tool_call_parsers import PARSERS, get_parser
 from environments.tool_context import ToolContext
 from environments.tools import resolve_toolsets
@@ -54,6 +54,11 @@ class HermesAgentEnvConfig(BaseEnvConfig):
     extra_body: dict[str, Any] | None = Field(default=None, description="Extra fields sent with each request.")
     inference_retries: int = Field(
         default=1, ge=0, description="Extra tries per model call (atroposlib's server retries too)."
+    )
+    max_tool_calls_per_reply: int = Field(
+        default=DEFAULT_MAX_TOOL_CALLS_PER_REPLY,
+        ge=1,
+        description="Tool calls of one reply that run; the rest are an error.",
     )
     teacher: Literal["server", "oracle"] = Field(
         default="server",
@@ -206,6 +211,7 @@ class HermesAgentBaseEnv(BaseEnv):
                 tool_call_parser=self.config.tool_call_parser,
                 tools=self.extra_tools(),
                 inference_retries=self.config.inference_retries,
+                max_tool_calls_per_reply=self.config.max_tool_calls_per_reply,
             )
             result = await loop.run(self.build_messages(item, schemas))
             self._rollouts += 1
@@ -254,8 +260,9 @@ class HermesAgentBaseEnv(BaseEnv):
 
         Assistant spans are found by rendering growing prefixes, which works for any chat template
         whose rendering of a prefix is a prefix of the whole (ChatML, Llama 3, ...).
+        Strings are `sanitize`d first: a lone surrogate cannot be encoded, and tokenisers refuse it.
         """
-
+        messages = sanitize(messages)
         cache = {} if cache is None else cache
 
         def render(part: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
@@ -296,7 +303,11 @@ class HermesAgentBaseEnv(BaseEnv):
 
         async def one(item: Item) -> dict[str, Any]:
             async with semaphore:
-                result, reward = await self.run_agent(item, 0.0, tools)
+                try:
+                    result, reward = await self.run_agent(item, 0.0, tools)
+                except Exception as err:  # The loop absorbs the model's faults: this one is ours, not its.
+                    logger.exception("evaluation of item %s failed", item.get("item_id"))
+                    result, reward = AgentResult(messages=[], infra_error=f"{type(err).__name__}: {err}"), None
             return _eval_sample(item, result, reward)
 
         samples = await asyncio.gather(*(one(item) for item in items))
@@ -354,7 +365,7 @@ class HermesAgentBaseEnv(BaseEnv):
                     if group is None:
                         failed += 1
                         return
-                    out.write(json.dumps(group, ensure_ascii=False) + "\n")
+                    out.write(json.dumps(sanitize(group), ensure_ascii=False) + "\n")
                     out.flush()
                     written += 1
 
@@ -449,19 +460,22 @@ def _meta(item: Item, outcomes: list[tuple[AgentResult, float | None]]) -> dict[
 
 
 def _eval_sample(item: Item, result: AgentResult, reward: float | None) -> dict[str, Any]:
-    return {
-        "item_id": item.get("item_id"),
-        "env": item.get("env"),
-        "category": item.get("category"),
-        "difficulty": item.get("difficulty"),
-        "reward": reward,
-        "success": reward is not None and reward >= 0.999,
-        "infra_error": result.infra_error,
-        "turns_used": result.turns_used,
-        "finished_naturally": result.finished_naturally,
-        "tool_errors": [e.__dict__ for e in result.tool_errors],
-        "messages": result.messages,
-    }
+    """One line of samples.jsonl, `sanitize`d so that it encodes as UTF-8."""
+    return sanitize(
+        {
+            "item_id": item.get("item_id"),
+            "env": item.get("env"),
+            "category": item.get("category"),
+            "difficulty": item.get("difficulty"),
+            "reward": reward,
+            "success": reward is not None and reward >= 0.999,
+            "infra_error": result.infra_error,
+            "turns_used": result.turns_used,
+            "finished_naturally": result.finished_naturally,
+            "tool_errors": [e.__dict__ for e in result.tool_errors],
+            "messages": result.messages,
+        }
+    )
 
 
 def _eval_metrics(samples: list[dict[str, Any]]) -> dict[str, float]:

@@ -67,23 +67,23 @@ class ToolCallParser:
 
 def _call_from_obj(obj: Any, errors: list[str], arguments_key: str = "arguments") -> ParsedToolCall | None:
     if not isinstance(obj, dict):
-        errors.append(f"tool call is not a JSON object: {str(obj)[:80]}")
+        errors.append(f"a tool call must be a JSON object, not {type(obj).__name__}")
         return None
     name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        errors.append(f"tool call has no function name (its keys: {', '.join(map(str, list(obj)[:8]))})")
+        return None
     arguments = obj.get(arguments_key, obj.get("arguments", obj.get("parameters", {})))
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            errors.append(f"arguments of '{name}' are not valid JSON: {arguments[:80]}")
+        except (ValueError, RecursionError):  # Bad JSON, an int of over 4,300 digits, deep nesting.
+            errors.append(f"arguments of '{name:.80}' are not valid JSON: {arguments[:80]}")
             return None
-    if not isinstance(name, str) or not name:
-        errors.append(f"tool call has no function name: {json.dumps(obj)[:80]}")
-        return None
     if arguments is None:
         arguments = {}
     if not isinstance(arguments, dict):
-        errors.append(f"arguments of '{name}' must be a JSON object")
+        errors.append(f"arguments of '{name:.80}' must be a JSON object")
         return None
     return ParsedToolCall(name=name, arguments=arguments)
 

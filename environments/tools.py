@@ -59,9 +59,9 @@ class Tool:
         try:
             result = self.fn(ctx, **kwargs)
         except AgentError:
-            raise
-        except (OSError, ValueError, KeyError, TypeError, UnicodeError) as err:
-            raise ToolCallError(f"{self.name}: {err}") from err
+            raise  # Already a tool error, or an InfraError that must stop the rollout.
+        except Exception as err:  # Whatever the arguments provoked, the model sees it as the tool's error.
+            raise ToolCallError(f"{self.name}: {type(err).__name__}: {err}") from err
         text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
         if len(text) > _MAX_RESULT_CHARS:
             text = text[:_MAX_RESULT_CHARS] + f"\n[truncated {len(text) - _MAX_RESULT_CHARS} characters]"
@@ -118,7 +118,7 @@ def _coerce(tool_name: str, name: str, value: Any, spec: dict[str, Any]) -> Any:
             return json.loads(value)
         if kind == "array" and not isinstance(value, list):
             return json.loads(value) if isinstance(value, str) else [value]
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, OverflowError, RecursionError) as err:  # int(inf), int(nan), deep JSON.
         raise ToolCallError(f"{tool_name}: argument '{name}' should be {kind}, got {value!r:.80}") from err
     return value
 
