@@ -126,8 +126,8 @@ class HermesAgentLoop:
                 result.tool_errors.append(ToolError(turn, "<parse>", None, error))
             if dropped > 0:
                 error = (
-                    f"the reply had {len(calls) + dropped} tool calls; only the first "
-                    f"{self.max_tool_calls_per_reply} ran, the other {dropped} were dropped"
+                    f"only {self.max_tool_calls_per_reply} tool calls per reply are run; this reply had "
+                    f"{len(calls) + dropped}, so the last {dropped} did not run"
                 )
                 result.tool_errors.append(ToolError(turn, "<too many calls>", None, error))
                 parse_errors = [error, *parse_errors]
@@ -199,11 +199,12 @@ class HermesAgentLoop:
         for entry in native:
             name = getattr(getattr(entry, "function", None), "name", None)
             arguments = getattr(getattr(entry, "function", None), "arguments", None)
-            try:
-                arguments = json.loads(arguments) if isinstance(arguments, str) and arguments else arguments
-            except (ValueError, RecursionError):
-                errors.append(f"arguments of '{name!s:.80}' are not valid JSON")
-                continue
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments) if arguments.strip() else None
+                except (ValueError, RecursionError):
+                    errors.append(f"arguments of '{name!s:.80}' are not valid JSON")
+                    continue
             if not isinstance(name, str) or not isinstance(arguments, dict | None):
                 errors.append("a tool call needs a function name and a JSON object of arguments")
                 continue

@@ -97,7 +97,8 @@ def run_agentic_eval(cfg: AgenticEvalConfig, store: ArtifactStore, model_ref: st
                 overrides["max_agent_turns"] = cfg.max_agent_turns
             env = _env(name, server_configs=server_configs(cfg.base_url, cfg.model_name, cfg.api_key_env), **overrides)
             per_env[name] = asyncio.run(_evaluate(env))
-            samples = [json.loads(line) for line in Path(out, "samples.jsonl").read_text().splitlines()]
+            lines = Path(out, "samples.jsonl").read_text(encoding="utf-8").splitlines()  # Not the locale's.
+            samples = [json.loads(line) for line in lines]
         files[f"samples/{name}.jsonl"] = "".join(json.dumps(s) + "\n" for s in samples)
         all_samples.extend(samples)
     results = {"per_env": per_env, **aggregate(all_samples)}

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from environments.agent_loop import HermesAgentLoop
 from environments.base import BaseEnvironment
+from environments.errors import InfraError
 from environments.policies import ScriptedPolicy, call, final
-from environments.tool_context import live_task_ids, release
+from environments.tool_call_parsers import get_parser
+from environments.tool_context import ToolContext, live_task_ids, release
 from environments.tool_use_chain import ToolUseChainEnv
-from environments.tools import TOOLSETS
+from environments.tools import TOOLSETS, Tool, tool
 
 FILE_TOOLS = TOOLSETS["file"]
 
@@ -32,11 +36,15 @@ class _Failing:
         return await ScriptedPolicy([final("ok")]).chat_completion(**kwargs)
 
 
-def _loop(server: Any, max_turns: int = 4, retries: int = 1) -> HermesAgentLoop:
-    schemas = [t.schema() for t in FILE_TOOLS]
+def _loop(
+    server: Any, max_turns: int = 4, retries: int = 1, tools: list[Tool] = FILE_TOOLS, cap: int = 8
+) -> HermesAgentLoop:
+    schemas = [t.schema() for t in tools]
+    names = {t.name for t in tools}
     return HermesAgentLoop(
-        server, schemas, {t.name for t in FILE_TOOLS}, max_turns, "loop-test", inference_retries=retries
-    )
+        server, schemas, names, max_turns, "loop-test", tools=tools, inference_retries=retries,
+        max_tool_calls_per_reply=cap,
+    )  # fmt: skip
 
 
 def _run(loop: HermesAgentLoop) -> Any:
@@ -76,6 +84,52 @@ def test_tool_errors_go_back_to_the_model_and_are_recorded() -> None:
     assert result.finished_naturally and result.turns_used == 5
 
 
+def test_tool_calls_beyond_the_cap_are_reported_to_the_model_not_run() -> None:
+    hermes = get_parser("hermes")
+    three = "".join(hermes.tool_call_text("write_file", {"path": f"{i}.txt", "content": "x"}) for i in range(3))
+    result = _run(_loop(ScriptedPolicy([final(three), final("done")]), cap=2))
+    tool_results = [m["content"] for m in result.messages if m["role"] == "tool"]
+    assert tool_results == ["wrote 1 characters to 0.txt", "wrote 1 characters to 1.txt"]
+    notice = result.messages[-2]["content"]
+    assert notice == "Tool call error: only 2 tool calls per reply are run; this reply had 3, so the last 1 did not run"
+    assert [e.tool_name for e in result.tool_errors] == ["<too many calls>"] and result.finished_naturally
+
+
+def test_malformed_native_tool_calls_are_tool_errors() -> None:
+    def native(name: Any, arguments: Any) -> SimpleNamespace:
+        return SimpleNamespace(function=SimpleNamespace(name=name, arguments=arguments))
+
+    entries = [
+        native(None, "{}"),
+        native("read_file", "{not json"),
+        native("list_files", "[1]"),
+        SimpleNamespace(),
+        native("list_files", ""),
+    ]
+
+    class Native:
+        async def chat_completion(self, **kwargs: Any) -> Any:
+            done = any(m["role"] == "assistant" for m in kwargs["messages"])
+            message = SimpleNamespace(content="done" if done else None, tool_calls=None if done else entries)
+            return SimpleNamespace(choices=[SimpleNamespace(message=message)], usage=None)
+
+    result = _run(_loop(Native()))
+    assert result.infra_error is None and result.finished_naturally
+    assert [e.tool_name for e in result.tool_errors] == ["<parse>"] * 4
+    assert [m["name"] for m in result.messages if m["role"] == "tool"] == ["list_files"]
+
+
+@tool
+def broken_disk(ctx: ToolContext) -> str:
+    """Fail the way a broken sandbox does."""
+    raise InfraError("disk full")
+
+
+def test_an_infra_error_in_a_tool_ends_the_rollout_without_raising() -> None:
+    result = _run(_loop(ScriptedPolicy([call("broken_disk"), final("done")]), tools=[broken_disk]))
+    assert result.infra_error == "disk full" and not result.finished_naturally and result.turns_used == 1
+
+
 def test_turn_limit_cuts_the_rollout() -> None:
     result = _run(_loop(ScriptedPolicy([call("list_files")] * 10), max_turns=3))
     assert result.turns_used == 3 and not result.finished_naturally
@@ -95,6 +149,22 @@ def test_evaluation_does_not_pollute_training_buffers(tiny_model: Path, tmp_path
     metrics = asyncio.run(scenario())
     assert metrics["eval/success_rate"] == 1.0 and metrics["eval/n"] == 3
     assert (tmp_path / "metrics.json").exists() and (tmp_path / "samples.jsonl").exists()
+    assert live_task_ids() == []
+
+
+def test_evaluation_survives_an_item_that_crashes(tiny_model: Path, tmp_path: Path) -> None:
+    env = ToolUseChainEnv(tokenizer_name=str(tiny_model), teacher="oracle", data_dir_to_save_evals=str(tmp_path))
+
+    async def scenario() -> dict[str, float]:
+        await env.setup()
+        items = [dict(item) for item in env.eval_items[:3]]
+        items[1]["setup_commands"] = ["exit 3"]  # Not the model's fault: an infra failure, not a 0.
+        return await env.run_agentic_eval(items)
+
+    metrics = asyncio.run(scenario())
+    assert metrics["eval/n"] == 3 and metrics["eval/infra_failures"] == 1 and metrics["eval/success_rate"] == 1.0
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert samples[1]["reward"] is None and "setup command failed" in samples[1]["infra_error"]
     assert live_task_ids() == []
 
 

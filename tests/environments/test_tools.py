@@ -44,6 +44,28 @@ def test_arguments_are_validated_and_coerced() -> None:
         demo(ctx, ["x"])  # type: ignore[arg-type]
 
 
+@tool
+def invert(ctx: ToolContext, n: float) -> str:
+    """One over `n` (fails on 0 with a ZeroDivisionError, not a ToolCallError).
+
+    Args:
+        n: The number.
+    """
+    return str(1 / n)
+
+
+@pytest.mark.parametrize("count", [float("inf"), float("-inf"), float("nan"), "1e999"])
+def test_numbers_no_integer_can_hold_are_argument_errors(count: object) -> None:
+    with pytest.raises(ToolCallError, match="'count' should be integer"):
+        demo(object(), {"path": "x", "count": count})  # type: ignore[arg-type]
+
+
+def test_any_exception_of_a_tool_is_a_tool_error() -> None:
+    assert invert(object(), {"n": "4"}) == "0.25"  # type: ignore[arg-type]
+    with pytest.raises(ToolCallError, match="invert: ZeroDivisionError: float division by zero"):
+        invert(object(), {"n": 0})  # type: ignore[arg-type]
+
+
 def test_file_and_terminal_tools_share_the_task_sandbox() -> None:
     ctx = ToolContext("tools-test")
     try:
