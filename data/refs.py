@@ -91,12 +91,12 @@ def open_regular(path: Path, label: str) -> Iterator[Any]:
         if err.errno == errno.ELOOP:
             raise CorruptBlobError(f"{label} is corrupted: it is a symlink, not a file") from err
         raise CorruptBlobError(f"{label} cannot be read: {err.strerror}") from err
-    handle = os.fdopen(fd, "rb")
-    with handle:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
-            raise CorruptBlobError(f"{label} is corrupted: it is {kind}, not a file")
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+        raise CorruptBlobError(f"{label} is corrupted: it is {kind}, not a file")
+    with os.fdopen(fd, "rb") as handle:
         yield handle
 
 

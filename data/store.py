@@ -509,7 +509,7 @@ class ArtifactStore:
     def _manifest_listing(self) -> tuple[list[str], list[str]]:
         """Manifest ids, and the names under manifests/ that are not `<sha256>.json`."""
         ids, strays = [], []
-        for path in self._find(f"{self.root}/manifests/", with_folders=True):
+        for path in self._find(f"{self.root}/manifests/"):
             name = path.rsplit("/", 1)[-1]
             if name.endswith(".json") and _SHA256.fullmatch(name[: -len(".json")]):
                 ids.append(name[: -len(".json")])
@@ -602,16 +602,14 @@ class ArtifactStore:
     def _exists(self, key: str) -> bool:
         return self._translate(lambda: self.fs.exists(key))
 
-    def _find(self, prefix: str, with_folders: bool = False) -> list[str]:
-        """Every object under `prefix`; locally also FIFOs and links, and with `with_folders` the top-level folders."""
+    def _find(self, prefix: str) -> list[str]:
+        """Every object under `prefix`; locally also FIFOs, links and folders named like an object (`*.json`)."""
         if self.local:
-            top = prefix.rstrip("/")
             found = []
-            for folder, dirs, names in os.walk(top):
-                if with_folders and folder == top:
-                    names = [*names, *dirs]
-                    dirs.clear()
-                found += [f"{folder}/{name}" for name in names]
+            for folder, dirs, names in os.walk(prefix.rstrip("/")):
+                objects = [d for d in dirs if d.endswith(".json")]
+                dirs[:] = [d for d in dirs if d not in objects]
+                found += [f"{folder}/{name}" for name in names + objects]
             return sorted(found)
         return self._translate(lambda: self.fs.find(prefix, refresh=True) if self.fs.exists(prefix) else [])
 
