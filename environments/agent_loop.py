@@ -96,7 +96,11 @@ class HermesAgentLoop:
         self.max_tool_calls_per_reply = max_tool_calls_per_reply
 
     async def run(self, messages: list[dict[str, Any]]) -> AgentResult:
-        """Run the loop on `messages` (system + user, usually); returns the whole conversation."""
+        """Run the loop on `messages` (system + user, usually); returns the whole conversation.
+
+        Never raises: a batch of rollouts must survive any one of them. Infrastructure failures,
+        and bugs of ours, are recorded as `infra_error` (the rollout is then dropped, not scored).
+        """
         result = AgentResult(messages=[sanitize(dict(m)) for m in messages])
         try:
             await self._turns(result)

@@ -184,7 +184,10 @@ _terminal_call = st.tuples(
 _unknown_call = st.tuples(
     st.text(max_size=12) | st.sampled_from(["", "nope", "\ud800"]), st.dictionaries(st.text(max_size=4), _value)
 )
-_calls = st.lists(st.one_of(_file_call, _file_call, _unknown_call, _terminal_call), max_size=12)
+_terminal_calls = st.one_of(st.just([]), st.just([]), st.just([]), st.lists(_terminal_call, min_size=1, max_size=1))
+_calls = st.tuples(st.lists(_file_call | _unknown_call, max_size=12), _terminal_calls, st.integers(0, 12)).map(
+    lambda parts: parts[0][: parts[2]] + parts[1] + parts[0][parts[2] :]
+)  # Commands spawn processes (slow): a terminal call in about one reply in four.
 
 
 def _arguments_text(arguments: dict[str, str]) -> str:
