@@ -1,17 +1,39 @@
-"""The `flywheel` CLI as a user runs it: a real subprocess, real stores, one-line errors."""
+"""The `flywheel` CLI as a user runs it: a real subprocess, real stores, one-line errors, `--store`
+after any subcommand, `--json` for scripts, unwrapped output when piped."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import typer
 
 from data import ArtifactStore
+from flows import cli
 
 FLYWHEEL = str(Path(sys.executable).parent / "flywheel")
+SFT_CONFIG = str(Path(__file__).resolve().parents[2] / "training" / "configs" / "sft_h100_zero3.yaml")
+
+
+def command_paths(command: Any, prefix: tuple[str, ...] = ()) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
+    """(command groups, runnable subcommands) of the CLI's click tree, as argv prefixes."""
+    subcommands = getattr(command, "commands", None)
+    if subcommands is None:
+        return [], [prefix]
+    groups, leaves = [prefix], []
+    for name, sub in sorted(subcommands.items()):
+        sub_groups, sub_leaves = command_paths(sub, (*prefix, name))
+        groups += sub_groups
+        leaves += sub_leaves
+    return groups, leaves
+
+
+GROUPS, SUBCOMMANDS = command_paths(typer.main.get_command(cli.app))
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -19,8 +41,8 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     return subprocess.run([FLYWHEEL, *args], capture_output=True, text=True, env=full_env, timeout=300)
 
 
-def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
-    assert result.returncode == 1, result.stdout + result.stderr
+def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str, code: int = 1) -> None:
+    assert result.returncode == code, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, result.stderr
@@ -111,3 +133,92 @@ def test_serve_dry_run_builds_the_vllm_command(model_store: ArtifactStore, tiny_
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("vllm serve ")
     assert "--tensor-parallel-size 2" in result.stdout and "--served-model-name tiny" in result.stdout
+
+
+@pytest.fixture
+def local_store(tmp_path: Path) -> ArtifactStore:
+    store = ArtifactStore(str(tmp_path / "store"))
+    data = store.put("dataset", "sft-r1", {"train.jsonl": b'{"messages": []}\n'})
+    store.put("checkpoint", "sft-r1", {"model.safetensors": b"weights"}, parents=[data.id])
+    return store
+
+
+@pytest.mark.parametrize("path", SUBCOMMANDS, ids=" ".join)
+def test_every_subcommand_accepts_store(path: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        cli.main([*path, "--store", "/tmp/any-store", "--help"])
+    assert done.value.code == 0, capsys.readouterr().err
+    assert "--store" in capsys.readouterr().out
+
+
+def test_store_after_the_subcommand_selects_the_store(local_store: ArtifactStore) -> None:
+    listing = run("artifacts", "ls", "--store", local_store.url, env={"FLYWHEEL_STORE": "/nonexistent/elsewhere"})
+    assert listing.returncode == 0, listing.stderr
+    assert "sft-r1" in listing.stdout
+
+
+def test_artifacts_ls_and_show_print_json(local_store: ArtifactStore) -> None:
+    listing = run("--store", local_store.url, "artifacts", "ls", "--json")
+    assert listing.returncode == 0, listing.stderr
+    rows = json.loads(listing.stdout)
+    assert [(r["kind"], r["name"]) for r in rows] == [("dataset", "sft-r1"), ("checkpoint", "sft-r1")]
+    assert rows[1]["refs"] == ["checkpoint/sft-r1"] and rows[1]["parents"] == [rows[0]["id"]]
+    only = json.loads(run("--store", local_store.url, "artifacts", "ls", "checkpoint", "--json").stdout)
+    assert [r["kind"] for r in only] == ["checkpoint"]
+
+    show = run("--store", local_store.url, "artifacts", "show", "checkpoint/sft-r1", "--json")
+    assert show.returncode == 0, show.stderr
+    assert json.loads(show.stdout) == {key: value for key, value in rows[1].items() if key != "refs"}
+
+
+def test_model_prepare_prints_json(model_store: ArtifactStore, tiny_model: Path) -> None:
+    result = run("--store", model_store.url, "model", "prepare", "tiny", "--json")
+    assert result.returncode == 0, result.stderr
+    prepared = json.loads(result.stdout)
+    assert prepared["ref"] == "model/tiny" and prepared["id"] == model_store.manifest("model/tiny").id
+    assert (Path(prepared["path"]) / "config.json").exists()
+
+
+def test_eval_prints_its_results_as_json(
+    local_store: ArtifactStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import evaluation.lm_eval_runner as runner
+
+    results = {"arith": {"acc,none": 0.5, "acc_stderr,none": 0.1}}
+
+    def fake_lm_eval(cfg: Any, store: ArtifactStore, model_dir: Path, model_ref: str | None = None) -> Any:
+        assert cfg.tasks == ["arith"] and model_dir == model.resolve()
+        return store.put("eval", "fake", {"results.json": json.dumps({"results": results}).encode()})
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    monkeypatch.setattr(runner, "run_lm_eval", fake_lm_eval)
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--store", local_store.url, "eval", "--model", str(model), "--tasks", "arith", "--json"])
+    assert done.value.code == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == {"lm_eval": {"ref": "eval/fake", "id": local_store.manifest("eval/fake").id, "results": results}}
+
+
+def test_printed_paths_do_not_wrap_when_piped(local_store: ArtifactStore, tmp_path: Path) -> None:
+    dest = tmp_path / ("a-long-directory-name-" * 6) / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    result = subprocess.run(
+        [FLYWHEEL, "--store", local_store.url, "artifacts", "get", "dataset/sft-r1", str(dest)],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert len(str(dest)) > 80 and result.stdout.strip().endswith(f"-> {dest}")
+    assert len(result.stdout.strip().splitlines()) == 1
+
+
+def test_multi_gpu_dry_run_carries_every_override_and_the_store(tmp_path: Path) -> None:
+    store = str(tmp_path / "store")
+    result = run("train", "sft", "--store", store, "--config", SFT_CONFIG, "--gpus", "2", "--dry-run", "max_steps=5",
+                 "learning_rate=1e-4")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    command = result.stdout.split()
+    assert command[:4] == ["accelerate", "launch", "--num_processes", "2"]
+    assert command[command.index("-m") + 1 :] == ["flows.cli", "--store", store, "train", "sft", "--config",
+                                                  SFT_CONFIG, "max_steps=5", "learning_rate=1e-4"]  # fmt: skip

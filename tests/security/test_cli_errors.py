@@ -10,31 +10,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import typer
 
 from data import ArtifactStore
 from flows import cli
-from flows.cli import app
 from flows.cli_errors import failure_line
-from tests.flows.test_cli import run
+from tests.flows.test_cli import GROUPS, SUBCOMMANDS, run
 
 SFT_CONFIG = Path(__file__).resolve().parents[2] / "training" / "configs" / "sft_tiny.yaml"
-
-
-def _paths(command: object, prefix: tuple[str, ...] = ()) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
-    """(command groups, runnable subcommands) of a click command tree, as argv prefixes."""
-    subcommands = getattr(command, "commands", None)
-    if subcommands is None:
-        return [], [prefix]
-    groups, leaves = [prefix], []
-    for name, sub in sorted(subcommands.items()):
-        sub_groups, sub_leaves = _paths(sub, (*prefix, name))
-        groups += sub_groups
-        leaves += sub_leaves
-    return groups, leaves
-
-
-GROUPS, SUBCOMMANDS = _paths(typer.main.get_command(app))
 
 
 def assert_one_error_line(result: subprocess.CompletedProcess[str], code: int, *needles: str) -> str:
@@ -112,7 +94,7 @@ def test_an_unparsable_config_or_override_is_one_line(tmp_path: Path, case: str)
     if case == "binary":
         config.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
     elif case == "mixed-keys":
-        config.write_text("model: tiny\n2: two\n")
+        config.write_text("colour: blue\n2: two\n")  # Two unknown keys, a str and an int.
     else:
         config, overrides = SFT_CONFIG, ["x=["]
     result = run("--store", str(tmp_path / "store"), "train", "sft", "--config", str(config), *overrides)
