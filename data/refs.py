@@ -108,7 +108,7 @@ def staged_file(staging: Path) -> Iterator[tuple[Path, BinaryIO]]:
     """
     staging.mkdir(parents=True, exist_ok=True)
     path = staging / uuid.uuid4().hex
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)  # Readable: the copy is hashed back from it.
     fcntl.flock(fd, fcntl.LOCK_EX)
     with os.fdopen(fd, "wb") as handle:
         try:

@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -64,10 +65,12 @@ DEFAULT_STORE = "./.flywheel"
 STORE_ENV = "FLYWHEEL_STORE"
 STAGING = "tmp"
 _CHUNK = 8 * 1024 * 1024  # Local copy and hash step.
-_PART = 8 * 1024 * 1024  # S3 multipart part and ranged-GET size (the AWS CLI's default).
+_PART = 32 * 1024 * 1024  # S3 multipart part and ranged-GET size, sent or fetched 8 at a time.
+_SINGLE_PUT_MAX = 100 * 1024 * 1024  # Below this one PUT, as s3fs itself does (2 x its 50 MiB part).
 _MAX_PARTS = 10_000
 _S3_CONCURRENCY = 8
 _MIN_PREFIX = 6
+_KERNEL_COPY = sys.platform == "linux"  # sendfile() between regular files; elsewhere read + write.
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _KIND = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 
@@ -125,18 +128,20 @@ class ArtifactStore:
 
     def _put_local_file(self, path: Path, before: os.stat_result, progress: Progress | None) -> FileEntry:
         with staged_file(Path(self.root, STAGING)) as (staged, handle), open(path, "rb") as source:
-            digest, size = _copy_hashing(source, handle.write, progress)
+            digest, size = _copy_file_hashing(source, handle, progress)
             _check_unchanged(path, before)
             self._publish_blob(staged, handle, digest, size)
         return FileEntry(sha256=digest, size=size)
 
     def _put_s3_file(self, path: Path, before: os.stat_result, progress: Progress | None) -> FileEntry:
-        if before.st_size <= _PART:  # One read: the bytes hashed are the bytes sent.
-            data = path.read_bytes()
+        # The key is the hash, so hashing must finish before the upload starts.
+        if before.st_size < _SINGLE_PUT_MAX:  # One read into memory: the bytes hashed are the bytes sent.
+            chunks: list[bytes] = []
+            with open(path, "rb") as source:
+                digest, _ = _copy_hashing(source, chunks.append, None)
             _check_unchanged(path, before)
-            entry = self.put_bytes(data)
-        else:
-            # The key is the hash, so it is needed before the upload; the upload hashes again what it sends.
+            entry = self._put_hashed_bytes(b"".join(chunks), digest)
+        else:  # Too big for memory: hash, then upload in parts that are hashed again as they are sent.
             with open(path, "rb") as source:
                 digest, _ = _copy_hashing(source, None, None)
             entry = FileEntry(sha256=digest, size=before.st_size)
@@ -150,7 +155,9 @@ class ArtifactStore:
 
     def put_bytes(self, data: bytes) -> FileEntry:
         """Store a small in-memory payload as a blob."""
-        digest = hashlib.sha256(data).hexdigest()
+        return self._put_hashed_bytes(data, hashlib.sha256(data).hexdigest())
+
+    def _put_hashed_bytes(self, data: bytes, digest: str) -> FileEntry:
         key = self._blob_path(digest)
         if not self._object_present(key, len(data)):
             self._write_atomic(key, data)
@@ -223,18 +230,22 @@ class ArtifactStore:
     def read_blob(self, entry: FileEntry, label: str = "") -> bytes:
         """Read a blob fully into memory, verifying its hash."""
         buffer = io.BytesIO()
-        self._stream_blob(entry, label, buffer.write)
+        self._stream_blob(entry, label, buffer)
         return buffer.getvalue()
 
     def _stream_blob(
-        self, entry: FileEntry, label: str, write: Writer | None, progress: Progress | None = None
+        self, entry: FileEntry, label: str, out: BinaryIO | None, progress: Progress | None = None
     ) -> None:
-        """Feed a blob's bytes to `write` while hashing them; raise if they are not the entry's bytes."""
+        """Copy a blob to `out` (or only read it) while hashing it; raise if it is not the entry's bytes."""
         key = self._blob_path(entry.sha256)
         what = f"blob {entry.sha256} {label}".rstrip()
+        write = None if out is None else out.write
         if self.local:
             with open_regular(Path(key), what) as source:
-                digest, size = _copy_hashing(source, write, progress)
+                if isinstance(out, io.BufferedWriter):
+                    digest, size = _copy_file_hashing(source, out, progress)
+                else:
+                    digest, size = _copy_hashing(source, write, progress)
         else:
             digest, size = self._translate(
                 lambda: sync(self.fs.loop, self._download, key, entry.size, write, progress, what), missing=what
@@ -292,7 +303,7 @@ class ArtifactStore:
         tmp = Path(tmp_name)
         try:
             with os.fdopen(fd, "wb") as out:
-                self._stream_blob(entry, label, out.write, progress)
+                self._stream_blob(entry, label, out, progress)
             os.replace(tmp, dest)
         except OSError as err:
             raise StoreError(f"cannot copy {label} to '{dest}': {err.strerror}") from err
@@ -336,7 +347,7 @@ class ArtifactStore:
             metrics=dict(metrics or {}),
         )
         self._write_atomic(self._manifest_path(manifest.id), manifest.canonical_bytes())
-        self.set_ref(ref_name, manifest.id)
+        self._translate(lambda: update_ref(self._refs, ref_name, manifest.id, lambda _current: True))
         return manifest
 
     def get(self, ref: str, dest: str | os.PathLike[str], progress: Progress | None = None) -> Path:
@@ -408,7 +419,10 @@ class ArtifactStore:
         return f"{self.root_url}/{name}"
 
     def manifest(self, ref: str) -> Manifest:
-        """The manifest a ref, id or id prefix points to."""
+        """The manifest a ref, id or id prefix points to (a full id is read in one request)."""
+        if _SHA256.fullmatch(ref):
+            with contextlib.suppress(ArtifactNotFound):
+                return self._read_manifest(ref)
         return self._read_manifest(self.resolve(ref))
 
     def _read_manifest(self, manifest_id: str) -> Manifest:
@@ -666,6 +680,35 @@ def _copy_hashing(source: BinaryIO, write: Writer | None, progress: Progress | N
             size += len(chunk)
             if progress is not None:
                 progress(len(chunk))
+        if hashed is not None:
+            hashed.result()
+    return digest.hexdigest(), size
+
+
+def _copy_file_hashing(source: BinaryIO, dest: BinaryIO, progress: Progress | None) -> tuple[str, int]:
+    """Copy file to file in the kernel (shutil's sendfile path), hashing each chunk read back from `dest`.
+
+    What gets hashed is the copy itself, at the cost of one memory copy per byte rather than two
+    for read+write; a second core hashes chunk k while the kernel copies chunk k+1.
+    """
+    if not _KERNEL_COPY:
+        return _copy_hashing(source, dest.write, progress)
+    in_fd, out_fd = source.fileno(), dest.fileno()
+    digest = hashlib.sha256()
+    size = 0
+    hashed: Future[None] | None = None
+
+    def hash_back(offset: int, length: int) -> None:
+        digest.update(os.pread(out_fd, length, offset))
+
+    with ThreadPoolExecutor(1) as pool:
+        while sent := os.sendfile(out_fd, in_fd, None, _CHUNK):
+            if hashed is not None:
+                hashed.result()
+            hashed = pool.submit(hash_back, size, sent)
+            size += sent
+            if progress is not None:
+                progress(sent)
         if hashed is not None:
             hashed.result()
     return digest.hexdigest(), size

@@ -20,7 +20,8 @@ import pytest
 from data import ArtifactNotFound, ArtifactStore, CorruptBlobError, Manifest, StoreError
 from data.refs import update_ref
 
-BIG = 2 * 8 * 1024 * 1024 + 4096  # More than two parts (data.store._PART): S3 takes the multipart path.
+PART = 8 * 1024 * 1024
+BIG = 2 * PART + 4096  # Three S3 parts once `_multipart` lowers the store's thresholds.
 pytestmark = pytest.mark.timeout(120)  # A regression here shows as a hang (FIFO, /dev/zero): fail instead.
 
 
@@ -83,6 +84,14 @@ def test_manifest_paths_are_checked_on_every_read(store: ArtifactStore, tmp_path
 # -- put: the stored bytes are the hashed bytes ---------------------------------------------------
 
 
+@pytest.fixture
+def _multipart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Send BIG files to S3 in parallel parts (the path of files over 100 MiB), so tests stay small."""
+    monkeypatch.setattr("data.store._SINGLE_PUT_MAX", 0)
+    monkeypatch.setattr("data.store._PART", PART)
+
+
+@pytest.mark.usefixtures("_multipart")
 def test_file_changing_during_put_is_refused_and_nothing_corrupt_is_stored(
     store: ArtifactStore, tmp_path: Path
 ) -> None:
@@ -232,7 +241,9 @@ def test_bad_name_is_refused_before_anything_is_written(store: ArtifactStore, na
 _KILLED_PUT = textwrap.dedent(
     """
     import os, sys
+    import data.store
     from data import ArtifactStore
+    data.store._SINGLE_PUT_MAX, data.store._PART = 0, int(sys.argv[3])  # As the `_multipart` fixture.
     store = ArtifactStore(sys.argv[1])
     store.put("dataset", "big", sys.argv[2], progress=lambda n: os._exit(9))  # Killed mid-copy.
     """
@@ -242,7 +253,7 @@ _KILLED_PUT = textwrap.dedent(
 def test_killed_put_leaves_leftovers_that_verify_reports_and_cleans(store: ArtifactStore, tmp_path: Path) -> None:
     src = tmp_path / "big.bin"
     src.write_bytes(os.urandom(BIG))
-    result = subprocess.run([sys.executable, "-c", _KILLED_PUT, store.url, str(src)], env=os.environ.copy())
+    result = subprocess.run([sys.executable, "-c", _KILLED_PUT, store.url, str(src), str(PART)], env=os.environ.copy())
     assert result.returncode == 9
     store.fs.invalidate_cache()
 
