@@ -269,17 +269,23 @@ def _is_precondition_failure(err: BaseException) -> bool:
 
 
 def update_ref(
-    backend: RefBackend, key: str, target: str, expected: str | Callable[[str | None], bool] | None
+    backend: RefBackend,
+    key: str,
+    target: str,
+    expected: str | Callable[[str | None], bool] | None,
+    seen: tuple[RefValue | None, Any] | None = None,
 ) -> RefValue:
     """Move ref `key` to `target` if its current target satisfies `expected`; retry on races.
 
     `expected` is the target the caller believes is current (None: the ref must not exist), or a
     predicate over the current target. A mismatch raises `RefConflict`; a concurrent writer that
-    wins the race only causes a retry, so no update is ever lost.
+    wins the race only causes a retry, so no update is ever lost. `seen` is a `read` the caller
+    already made: the first attempt uses it (its token is checked by the write) instead of reading again.
     """
     for _ in range(_MAX_CAS_ATTEMPTS):
         with backend.exclusive(key):
-            current, token = backend.read(key)
+            current, token = seen or backend.read(key)
+            seen = None
             current_target = current["target"] if current else None
             accepted = expected(current_target) if callable(expected) else current_target == expected
             if not accepted:

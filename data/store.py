@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
@@ -263,7 +264,12 @@ class ArtifactStore:
 
         async def fetch(start: int) -> bytes:
             ranged = {"Range": f"bytes={start}-{min(start + _PART, size) - 1}"} if size else {}
-            response = await self.fs._call_s3("get_object", Bucket=bucket, Key=object_key, **ranged)
+            try:
+                response = await self.fs._call_s3("get_object", Bucket=bucket, Key=object_key, **ranged)
+            except OSError as err:
+                if err.errno != errno.EINVAL:  # s3fs's InvalidRange: the object is shorter than the manifest says.
+                    raise
+                raise CorruptBlobError(f"{what} is corrupted: it holds fewer than {size} bytes") from err
             total = int(response.get("ContentRange", "/").rsplit("/", 1)[1] or response["ContentLength"])
             async with response["Body"] as body:
                 if total != size:
@@ -334,7 +340,7 @@ class ArtifactStore:
         check_ref_name(ref_name)
         items = _source_items(source)
         parent_ids = [self.resolve(parent) for parent in parents]
-        self._translate(lambda: self._refs.read(ref_name))  # A corrupt ref fails now, not after the upload.
+        seen = self._translate(lambda: self._refs.read(ref_name))  # A corrupt ref fails now, not after the upload.
         files: dict[str, FileEntry] = {}
         for relpath, item in items:
             files[relpath] = self.put_bytes(item) if isinstance(item, bytes) else self.put_file(item, progress)
@@ -347,14 +353,17 @@ class ArtifactStore:
             metrics=dict(metrics or {}),
         )
         self._write_atomic(self._manifest_path(manifest.id), manifest.canonical_bytes())
-        self._translate(lambda: update_ref(self._refs, ref_name, manifest.id, lambda _current: True))
+        self._translate(lambda: update_ref(self._refs, ref_name, manifest.id, lambda _current: True, seen))
         return manifest
 
     def get(self, ref: str, dest: str | os.PathLike[str], progress: Progress | None = None) -> Path:
         """Materialise an artifact's files under `dest` (a directory), each verified and atomic."""
         manifest = self.manifest(ref)
         dest = Path(dest)
-        dest.mkdir(parents=True, exist_ok=True)
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise StoreError(f"cannot write to '{dest}': {err.strerror}") from err
         root = dest.resolve()
         for relpath, entry in manifest.files.items():
             target = dest / relpath
@@ -589,9 +598,7 @@ class ArtifactStore:
             return problems
         bucket, _, prefix = self.root.partition("/")
         cutoff = datetime.now(UTC) - timedelta(seconds=grace_s)
-        scope = {"Prefix": f"{prefix}/"} if prefix else {}
-        listing = self._translate(lambda: self.fs.call_s3("list_multipart_uploads", Bucket=bucket, **scope))
-        for upload in listing.get("Uploads", []):
+        for upload in self._multipart_uploads(bucket, f"{prefix}/" if prefix else ""):
             if upload["Initiated"] > cutoff:
                 continue
             if clean:
@@ -610,6 +617,18 @@ class ArtifactStore:
                     "from an interrupted write: verify with clean_staging aborts it"
                 )
         return problems
+
+    def _multipart_uploads(self, bucket: str, prefix: str) -> Iterator[dict[str, Any]]:
+        """Every unfinished multipart upload under `prefix`, page by page."""
+        after: dict[str, str] = {}
+        while True:
+            page = self._translate(
+                functools.partial(self.fs.call_s3, "list_multipart_uploads", Bucket=bucket, Prefix=prefix, **after)
+            )
+            yield from page.get("Uploads", [])
+            if not page.get("IsTruncated"):
+                return
+            after = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
     # -- fsspec plumbing ------------------------------------------------------------------------
 
@@ -726,7 +745,10 @@ def _source_state(path: Path) -> os.stat_result:
 
 
 def _check_unchanged(path: Path, before: os.stat_result) -> None:
-    after = path.stat()
+    try:
+        after = path.stat()
+    except OSError as err:
+        raise StoreError(f"'{path}' vanished while it was being stored") from err
     if (after.st_size, after.st_mtime_ns, after.st_ino) != (before.st_size, before.st_mtime_ns, before.st_ino):
         raise StoreError(f"'{path}' changed while it was being stored; store it again once it is complete")
 

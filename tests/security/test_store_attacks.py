@@ -185,6 +185,30 @@ def test_bad_blob_is_one_line_in_ls_verify_get(local_store: ArtifactStore, tmp_p
         local_store.read_bytes("model/m", "w.bin")
 
 
+@pytest.mark.usefixtures("_multipart")  # Ranged GETs of several parts on S3.
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(lambda data: b"", id="emptied"),
+        pytest.param(lambda data: data[: len(data) // 2], id="truncated"),
+        pytest.param(lambda data: data + b"appended", id="appended"),
+    ],
+)
+def test_blob_of_the_wrong_size_is_one_line_on_both_backends(store: ArtifactStore, tmp_path: Path, damage) -> None:
+    payload = os.urandom(BIG)
+    manifest = store.put("model", "m", {"w.bin": payload})
+    digest = manifest.files["w.bin"].sha256
+    store.fs.pipe_file(store._blob_path(digest), damage(payload))
+    store.fs.invalidate_cache()
+
+    problems = store.verify()
+    assert len(problems) == 1 and digest in problems[0] and "\n" not in problems[0]
+    with pytest.raises(CorruptBlobError, match=digest) as err:
+        store.get("model/m", tmp_path / "out")
+    _one_line(err)
+    assert not (tmp_path / "out" / "w.bin").exists()
+
+
 @pytest.mark.parametrize(
     "make",
     [
