@@ -62,8 +62,8 @@ class Manifest(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict, description="Parameters that produced it.")
     code_version: str = Field(default_factory=lambda: code_version(), description="Code that made it.")
     created: str = Field(
-        default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"),
-        description="UTC creation time (ISO 8601).",
+        default_factory=lambda: datetime.now(UTC).isoformat(timespec="milliseconds"),
+        description="UTC creation time (ISO 8601, milliseconds: `ls` orders artifacts made in the same second).",
     )
     metrics: dict[str, Any] = Field(default_factory=dict, description="Figures: counts, scores, cost.")
 
