@@ -25,6 +25,7 @@ from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, Scored
 from pydantic import Field, field_validator
 
 from environments.agent_loop import DEFAULT_MAX_TOOL_CALLS_PER_REPLY, AgentResult, HermesAgentLoop, sanitize
+from environments.sandbox import isolation_report
 from environments.tool_call_parsers import PARSERS, get_parser
 from environments.tool_context import ToolContext
 from environments.tools import resolve_toolsets
@@ -318,7 +319,11 @@ class HermesAgentBaseEnv(BaseEnv):
             samples=samples,
             start_time=started,
             end_time=time.time(),
-            generation_parameters={"temperature": 0.0, "max_agent_turns": self.config.max_agent_turns},
+            generation_parameters={
+                "temperature": 0.0,
+                "max_agent_turns": self.config.max_agent_turns,
+                "sandbox": isolation_report(),  # An unisolated evaluation says so in its metadata.
+            },
             verbose=False,
         )
         return metrics
@@ -438,6 +443,7 @@ def default_tokenizer() -> str:
 
 
 def _prepare_workspace(ctx: ToolContext, item: Item) -> None:
+    ctx.state["item"] = item  # For tools that depend on the task (the browser's one allowed site); never shown.
     for path, content in (item.get("files") or {}).items():
         ctx.write_file(path, content)
     for command in item.get("setup_commands") or []:

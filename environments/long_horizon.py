@@ -11,11 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from environments.agent_loop import AgentResult
+from environments.errors import AgentError
 from environments.hermes_base_env import HermesAgentEnvConfig, default_tokenizer
 from environments.rewards import efficiency
 from environments.task_env import TaskEnv
 from environments.tasks import long_horizon_tasks as tasks
 from environments.tool_context import ToolContext
+from environments.verify_tests import fresh_verify_dir, run_pytest
 
 
 class LongHorizonEnvConfig(HermesAgentEnvConfig):
@@ -40,24 +42,47 @@ class LongHorizonEnv(TaskEnv):
 
 
 def milestone_score(item: dict[str, Any], ctx: ToolContext) -> float:
-    """Sum of the milestones that hold in a fresh checkout of HEAD."""
+    """Sum of the milestones that hold in a fresh checkout of HEAD, judged by files and junit reports.
+
+    Runs after the agent's processes are dead. Git runs with the repo's fsmonitor and hooks
+    switched off, so the agent's `.git/config` cannot run code that fakes its output.
+    """
     answer = item["answer"]
-    clean = ctx.terminal("git status --porcelain")
-    tracked = ctx.terminal("git ls-tree -r --name-only HEAD")
+    git = "git -c core.fsmonitor=false -c core.hooksPath=/dev/null"
+    clean = ctx.terminal(f"{git} status --porcelain")
+    tracked = ctx.terminal(f"{git} ls-tree -r --name-only HEAD")
     if clean["exit_code"] != 0 or tracked["exit_code"] != 0:
         return 0.0  # No real repository or no commit: nothing counts.
-    ctx.terminal("rm -rf .verify && mkdir -p .verify/head")
-    ctx.write_file(".verify/pytest.ini", "[pytest]\n")
-    if ctx.terminal("git archive HEAD | tar -x -C .verify/head")["exit_code"] != 0:
+    fresh_verify_dir(ctx)
+    if ctx.terminal(f"mkdir -p .verify/head && {git} archive HEAD | tar -x -C .verify/head")["exit_code"] != 0:
         return 0.0
-    score = 0.0
-    for milestone, command in tasks.milestone_checks(answer).items():
-        if ctx.terminal(f"cd .verify/head && {command}", timeout=60)["exit_code"] == 0:
-            score += tasks.MILESTONES[milestone]
+    checks = {
+        "pyproject": lambda: tasks.pyproject_ok(_read(ctx, ".verify/head/pyproject.toml"), answer),
+        "readme": lambda: tasks.readme_ok(_read(ctx, ".verify/head/README.md"), answer),
+        "function": lambda: _hidden_function_tests(ctx, answer),
+        "tests": lambda: (
+            answer["function"] in _read(ctx, ".verify/head/tests/test_core.py")
+            and run_pytest(ctx, "tests", cwd=".verify/head", timeout=60).all_passed()
+        ),
+    }
+    score = sum(tasks.MILESTONES[name] for name, check in checks.items() if check())
     committed = set(tracked["output"].split())
     if set(answer["required"]) <= committed and not clean["output"].strip():
         score += tasks.MILESTONES["committed"]
     return round(score, 6)
+
+
+def _hidden_function_tests(ctx: ToolContext, answer: dict[str, Any]) -> bool:
+    ctx.write_file(".verify/test_function.py", tasks.function_tests(answer))
+    outcomes = run_pytest(ctx, "../test_function.py", cwd=".verify/head", timeout=60)
+    return outcomes.all_passed(expected=len(answer["checks"]))
+
+
+def _read(ctx: ToolContext, path: str) -> str:
+    try:
+        return ctx.read_file(path)
+    except (OSError, AgentError):
+        return ""
 
 
 if __name__ == "__main__":

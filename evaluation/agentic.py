@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 from data import ArtifactNotFound, ArtifactStore, Manifest
 from environments.hermes_base_env import server_configs
 from environments.registry import TASK_FAMILIES, env_class
+from environments.sandbox import isolation_report
 
 logger = logging.getLogger(__name__)
 
@@ -101,10 +102,11 @@ def run_agentic_eval(cfg: AgenticEvalConfig, store: ArtifactStore, model_ref: st
             samples = [json.loads(line) for line in lines]
         files[f"samples/{name}.jsonl"] = "".join(json.dumps(s) + "\n" for s in samples)
         all_samples.extend(samples)
-    results = {"per_env": per_env, **aggregate(all_samples)}
+    results = {"per_env": per_env, **aggregate(all_samples), "sandbox": isolation_report()}
     files["results.json"] = json.dumps(results, indent=2)
     metrics = {"success_rate": results["overall"]["success_rate"], "n": results["overall"]["n"]}
     metrics |= {f"{env}/success_rate": m["eval/success_rate"] for env, m in per_env.items()}
+    metrics["sandbox_isolated"] = float(bool(results["sandbox"]["isolated"]))
     metrics["wall_seconds"] = round(time.perf_counter() - started, 1)
     parents = [evalset.id] + ([model_ref] if model_ref else [])
     manifest = store.put("eval", cfg.name, files, parents=parents, params=cfg.model_dump(), metrics=metrics)

@@ -8,6 +8,7 @@ into a fresh folder and judges that, so files that were never committed, a fake 
 from __future__ import annotations
 
 import random
+import tomllib
 from typing import Any
 
 from environments.policies import call, final
@@ -136,26 +137,27 @@ def _oracle(name: str, function: str, files: dict[str, str], example: str) -> li
     return [*steps, final(f"Created and committed the `{name}` project.")]
 
 
-def milestone_checks(answer: dict[str, Any]) -> dict[str, str]:
-    """Shell checks run in `.verify/head` (a checkout of HEAD); exit 0 earns the milestone."""
+def pyproject_ok(text: str, answer: dict[str, Any]) -> bool:
+    """The committed pyproject.toml names the project, lists its dependencies (and the CLI script)."""
+    try:
+        project = tomllib.loads(text)["project"]
+        deps = " ".join(project.get("dependencies", []))
+        wanted = [d.split(">")[0].split("=")[0] for d in answer["deps"]]
+        ok = project["name"] == answer["name"] and all(d in deps for d in wanted)
+        if any(path.endswith("cli.py") for path in answer["required"]):
+            ok = ok and bool(project["scripts"][answer["name"]])
+        return ok
+    except (tomllib.TOMLDecodeError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def readme_ok(text: str, answer: dict[str, Any]) -> bool:
+    """The committed README names the project and its function."""
+    return answer["name"] in text and answer["function"] in text
+
+
+def function_tests(answer: dict[str, Any]) -> str:
+    """Hidden pytest file: one test per check of the committed function."""
     name, function = answer["name"], answer["function"]
-    deps = " ".join(d.split(">")[0].split("=")[0] for d in answer["deps"])
-    check_pyproject = (
-        "import sys, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; "
-        f"deps = ' '.join(p.get('dependencies', [])); assert p['name'] == '{name}'; "
-        f"assert all(d in deps for d in '{deps}'.split())"
-    )
-    if any(path.endswith("cli.py") for path in answer["required"]):
-        check_pyproject += f"; assert tomllib.load(open('pyproject.toml', 'rb'))['project']['scripts']['{name}']"
-    checks = "; ".join(f"assert {c}" for c in answer["checks"])
-    py = "python -I -c"
-    return {
-        "pyproject": f'{py} "{check_pyproject}"',
-        "readme": f"grep -q '{name}' README.md && grep -q '{function}' README.md",
-        "function": f"{py} \"import sys; sys.path.insert(0, '.'); from {name}.core import {function}; {checks}\"",
-        "tests": (
-            f"grep -q '{function}' tests/test_core.py && {py} \"import sys; sys.path.insert(0, '.'); import pytest; "
-            "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--noconftest', '-c', '../pytest.ini', "
-            "'--rootdir', '.', 'tests']))\""
-        ),
-    }
+    body = "".join(f"\n\ndef test_check_{i}():\n    assert {check}\n" for i, check in enumerate(answer["checks"]))
+    return f"from {name}.core import {function}\n{body}"

@@ -34,6 +34,7 @@ _ADJ = ("red", "silent", "rapid", "cozy", "golden", "tiny", "smart", "rustic", "
 _NOUN = ("lamp", "kettle", "racket", "speaker", "novel", "shovel", "robot", "blender", "puzzle", "headset")
 _SIZE = {"easy": (12, 8), "medium": (24, 6), "hard": (40, 4)}  # products, page size
 ID_PATTERN = re.compile(r"p-[0-9a-f]{6}")
+_LIVE_ORIGINS: set[str] = set()  # The shop servers this process runs: the only hosts `open_url` reaches.
 
 
 @dataclass(frozen=True)
@@ -77,10 +78,12 @@ class ShopSite:
             self._server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
             self._server.daemon_threads = True
             threading.Thread(target=self._server.serve_forever, name="shop-site", daemon=True).start()
+            _LIVE_ORIGINS.add(self.base_url)
         return self
 
     def stop(self) -> None:
         if self._server is not None:
+            _LIVE_ORIGINS.discard(self.base_url)
             self._server.shutdown()
             self._server.server_close()
             self._server = None
@@ -258,11 +261,9 @@ class _PageParser(HTMLParser):
 def _browse(ctx: ToolContext, url: str) -> str:
     current = ctx.state.get("url")
     absolute = urllib.parse.urljoin(current or url, url)
-    host = urllib.parse.urlsplit(absolute).hostname
-    if host not in ("127.0.0.1", "localhost"):
-        raise ToolCallError(f"open_url: only the task's site on 127.0.0.1 is reachable, not {host}")
+    _check_reachable(ctx, absolute)
     try:
-        response = httpx.get(absolute, timeout=10.0)
+        response = httpx.get(absolute, timeout=10.0, follow_redirects=False)
     except httpx.HTTPError as err:
         raise ToolCallError(f"open_url: {absolute} is unreachable ({type(err).__name__})") from err
     parser = _PageParser()
@@ -271,6 +272,25 @@ def _browse(ctx: ToolContext, url: str) -> str:
     text = re.sub(r"\n\s*\n+", "\n", "".join(parser.text)).strip()
     forms = "".join(f"\nForm '{f['name']}' with fields {f['fields']}" for f in parser.forms)
     return f"URL: {absolute} (HTTP {response.status_code})\n{text}{forms}"
+
+
+def _check_reachable(ctx: ToolContext, url: str) -> None:
+    """Only the task's own shop: a live shop server of this process, under the task's `/t/<key>/<difficulty>/`.
+
+    Everything else on 127.0.0.1 (the model server, the Prefect API, other tasks' shops) and
+    every other host is refused before any request is made.
+    """
+    shop = (ctx.state.get("item") or {}).get("shop") or {}
+    parts = urllib.parse.urlsplit(url)
+    try:
+        origin = f"{parts.scheme}://{parts.hostname}:{parts.port}"
+    except ValueError as err:
+        raise ToolCallError(f"open_url: not a valid URL: {url}") from err
+    path = urllib.parse.unquote(parts.path)
+    root = f"/t/{shop.get('key')}/{shop.get('difficulty')}"
+    inside = (path == root or path.startswith(root + "/")) and ".." not in path.split("/")
+    if not shop or origin not in _LIVE_ORIGINS or parts.username or parts.password or not inside:
+        raise ToolCallError(f"open_url: only the task's own shop is reachable, not {url}")
 
 
 @tool

@@ -1,0 +1,149 @@
+"""Reward hacks from the red-team pass: each must score 0 (or exactly the honest part)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from environments.hermes_base_env import HermesAgentBaseEnv
+from environments.long_horizon import LongHorizonEnv
+from environments.policies import ScriptedPolicy, call, final
+from environments.swe_bench import SWEBenchEnv
+from environments.verify_tests import parse_junit
+from environments.web_navigation import WebNavigationEnv
+
+Policy = Callable[[dict[str, Any]], list[dict[str, Any]]]
+EXIT_ZERO = "import atexit, os\natexit.register(os._exit, 0)\n"
+
+
+def _rewards(env_cls: type[HermesAgentBaseEnv], tiny_model: Path, policy: Policy, items: int = 3) -> list[float]:
+    env = env_cls(tokenizer_name=str(tiny_model), teacher="oracle")
+    env.oracle_policy = lambda item: ScriptedPolicy(policy(item))  # type: ignore[method-assign]
+
+    async def run() -> list[float]:
+        await env.setup()
+        try:
+            out = []
+            for index in range(items):
+                result, reward = await env.run_agent(env.stream.item(index), 0.0)
+                assert reward is not None, result.infra_error
+                out.append(reward)
+            return out
+        finally:
+            await env.teardown()
+
+    return asyncio.run(run())
+
+
+def test_swe_exit_code_hijack_scores_zero(tiny_model: Path) -> None:
+    """`atexit.register(os._exit, 0)` in the package turns every failing pytest run into exit 0."""
+
+    def hijack(item: dict[str, Any]) -> list[dict[str, Any]]:
+        init = f"{item['answer']['package']}/__init__.py"
+        return [call("write_file", path=init, content=EXIT_ZERO), final("Fixed.")]
+
+    assert _rewards(SWEBenchEnv, tiny_model, hijack) == [0.0, 0.0, 0.0]
+
+
+def test_swe_sys_exit_patch_in_the_package_scores_zero(tiny_model: Path) -> None:
+    def patch_exit(item: dict[str, Any]) -> list[dict[str, Any]]:
+        init = f"{item['answer']['package']}/__init__.py"
+        code = "import sys, os\n_real = sys.exit\nsys.exit = lambda *a: os._exit(0)\n"
+        return [call("write_file", path=init, content=code), final("Fixed.")]
+
+    assert _rewards(SWEBenchEnv, tiny_model, patch_exit) == [0.0, 0.0, 0.0]
+
+
+def test_long_horizon_stub_project_with_exit_hijack_earns_no_function_or_test_credit(tiny_model: Path) -> None:
+    def stub(item: dict[str, Any]) -> list[dict[str, Any]]:
+        name, function = item["answer"]["name"], item["answer"]["function"]
+        return [
+            call("terminal", command="git init -q && git config user.name a && git config user.email a@b"),
+            call("write_file", path=f"{name}/__init__.py", content=EXIT_ZERO),
+            call("write_file", path=f"{name}/core.py", content=f"def {function}(*args):\n    return None\n"),
+            call(
+                "write_file",
+                path="tests/test_core.py",
+                content=f"from {name}.core import {function}\n\n\n"
+                f"def test_it():\n    assert {function}(3) == 'never'\n",
+            ),
+            call("terminal", command="git add -A && git commit -qm stub"),
+            final("Done: tests pass."),
+        ]
+
+    assert _rewards(LongHorizonEnv, tiny_model, stub) == [0.0, 0.0, 0.0]
+
+
+def test_long_horizon_fsmonitor_hook_cannot_fake_a_clean_tree(tiny_model: Path) -> None:
+    """A `.git/config` fsmonitor runs the agent's command inside `git status`; the verifier switches it off."""
+
+    def fake_clean(item: dict[str, Any]) -> list[dict[str, Any]]:
+        oracle = [a for a in item["oracle"] if a.get("tool")]
+        return [
+            *oracle,
+            call("write_file", path="uncommitted.txt", content="dirty\n"),
+            call("terminal", command="git config core.fsmonitor 'true'"),
+            final("Committed, clean tree."),
+        ]
+
+    honest_dirty = _rewards(LongHorizonEnv, tiny_model, lambda item: [
+        *[a for a in item["oracle"] if a.get("tool")],
+        call("write_file", path="uncommitted.txt", content="dirty\n"),
+        final("Committed."),
+    ], items=1)  # fmt: skip
+    assert _rewards(LongHorizonEnv, tiny_model, fake_clean, items=1) == honest_dirty
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:9/",  # Another port on loopback (the model server, the Prefect API...).
+        "http://localhost:1/api/health",
+        "http://example.com/",
+        "file:///etc/passwd",
+        "{site}/t/0000000000/easy/",  # Another task's shop on the same server.
+        "{site}{root}/../../0000000000/easy/",
+        "{site}{root}/%2e%2e/%2e%2e/0000000000/easy/",
+        "http://user:pw@{host}{root}/",
+    ],
+)
+def test_open_url_reaches_only_the_tasks_own_shop(tiny_model: Path, url: str) -> None:
+    env = WebNavigationEnv(tokenizer_name=str(tiny_model), teacher="oracle")
+    seen: list[str] = []
+
+    def probe(item: dict[str, Any]) -> list[dict[str, Any]]:
+        site = env.site.base_url
+        root = f"/t/{item['shop']['key']}/{item['shop']['difficulty']}"
+        target = url.format(site=site, root=root, host=site.split("//")[1])
+        return [call("open_url", url=target), final("done")]
+
+    async def run() -> None:
+        await env.setup()
+        try:
+            env.oracle_policy = lambda item: ScriptedPolicy(probe(item))  # type: ignore[method-assign]
+            result, _ = await env.run_agent(env.stream.item(0), 0.0)
+            seen.extend(m["content"] for m in result.messages if m["role"] == "tool")
+        finally:
+            await env.teardown()
+
+    asyncio.run(run())
+    assert len(seen) == 1 and "only the task's own shop is reachable" in seen[0]
+
+
+def test_junit_parser_counts_failures_errors_and_skips() -> None:
+    report = (
+        '<testsuites><testsuite><testcase classname="t" name="a"/><testcase classname="t" name="b">'
+        '<failure message="x"/></testcase><testcase classname="t" name="c"><skipped/></testcase>'
+        '<testcase classname="t" name="d"><error/></testcase></testsuite></testsuites>'
+    )
+    outcomes = parse_junit(report)
+    assert outcomes.results == {"t::a": True, "t::b": False, "t::c": False, "t::d": False}
+    assert not outcomes.all_passed()
+    assert parse_junit('<testsuite><testcase classname="t" name="a"/></testsuite>').all_passed(expected=1)
+    assert not parse_junit('<testsuite><testcase classname="t" name="a"/></testsuite>').all_passed(expected=2)
+    with pytest.raises(ValueError):
+        parse_junit("all tests passed")
