@@ -34,7 +34,6 @@ import os
 import re
 import shutil
 import stat
-import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -71,7 +70,7 @@ _SINGLE_PUT_MAX = 100 * 1024 * 1024  # Below this one PUT, as s3fs itself does (
 _MAX_PARTS = 10_000
 _S3_CONCURRENCY = 8
 _MIN_PREFIX = 6
-_KERNEL_COPY = sys.platform == "linux"  # sendfile() between regular files; elsewhere read + write.
+_NO_SENDFILE = {errno.EINVAL, errno.ENOSYS, errno.ENOTSOCK, errno.EOPNOTSUPP, errno.EXDEV}  # As shutil.
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _KIND = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 
@@ -708,10 +707,9 @@ def _copy_file_hashing(source: BinaryIO, dest: BinaryIO, progress: Progress | No
     """Copy file to file in the kernel (shutil's sendfile path), hashing each chunk read back from `dest`.
 
     What gets hashed is the copy itself, at the cost of one memory copy per byte rather than two
-    for read+write; a second core hashes chunk k while the kernel copies chunk k+1.
+    for read+write; a second core hashes chunk k while the kernel copies chunk k+1. Where the
+    system cannot sendfile between these files, it falls back to read + write, as shutil does.
     """
-    if not _KERNEL_COPY:
-        return _copy_hashing(source, dest.write, progress)
     in_fd, out_fd = source.fileno(), dest.fileno()
     digest = hashlib.sha256()
     size = 0
@@ -721,7 +719,15 @@ def _copy_file_hashing(source: BinaryIO, dest: BinaryIO, progress: Progress | No
         digest.update(os.pread(out_fd, length, offset))
 
     with ThreadPoolExecutor(1) as pool:
-        while sent := os.sendfile(out_fd, in_fd, None, _CHUNK):
+        while True:
+            try:
+                sent = os.sendfile(out_fd, in_fd, None, _CHUNK)
+            except OSError as err:
+                if size or err.errno not in _NO_SENDFILE:
+                    raise
+                return _copy_hashing(source, dest.write, progress)
+            if not sent:
+                break
             if hashed is not None:
                 hashed.result()
             hashed = pool.submit(hash_back, size, sent)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import subprocess
@@ -12,6 +13,11 @@ from pathlib import Path
 import pytest
 
 from data import ArtifactNotFound, ArtifactStore, CorruptBlobError, RefConflict, StoreError, lineage
+
+
+@pytest.fixture
+def local_store(tmp_path: Path) -> ArtifactStore:
+    return ArtifactStore(tmp_path / "store")
 
 
 def _make_dir(root: Path) -> Path:
@@ -186,3 +192,17 @@ def test_materialize_downloads_once(store: ArtifactStore, tmp_path: Path) -> Non
 def test_unsupported_url_is_rejected() -> None:
     with pytest.raises(StoreError, match="unsupported store URL 'ftp://x'"):
         ArtifactStore("ftp://x")
+
+
+def test_store_works_where_the_kernel_cannot_sendfile(
+    local_store: ArtifactStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_sendfile(*_args: object) -> int:
+        raise OSError(errno.ENOSYS, "sendfile not supported here")
+
+    monkeypatch.setattr(os, "sendfile", no_sendfile)
+    src = _make_dir(tmp_path / "src")
+    manifest = local_store.put("model", "plain-copy", src)
+    out = local_store.get("model/plain-copy", tmp_path / "out")
+    assert (out / "sub/weights.bin").read_bytes() == (src / "sub/weights.bin").read_bytes()
+    assert local_store.verify() == [] and manifest.files["config.json"].size == 8
