@@ -26,9 +26,9 @@ from typing import Any, BinaryIO, Protocol
 from data.errors import ArtifactNotFound, CorruptBlobError, RefConflict, StoreError
 
 RefValue = dict[str, Any]
-MAX_OBJECT_BYTES = 64 * 1024 * 1024  # Refs and manifests; a larger one is corrupt, not read into memory.
+_MAX_OBJECT_BYTES = 64 * 1024 * 1024  # Refs and manifests; a larger one is corrupt, not read into memory.
 _MAX_CAS_ATTEMPTS = 200
-_MAX_REF_CHARS = 200  # Leaves room for `.json`, lock and temp suffixes within a 255-byte file name.
+_MAX_REF_CHARS = 200  # Leaves room for the `.json.lock` suffix within a 255-byte file name.
 _REF_PART = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _PRECONDITION_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
@@ -53,7 +53,7 @@ def check_ref_name(name: str) -> str:
     return name
 
 
-def parse_ref(raw: bytes, name: str) -> RefValue:
+def _parse_ref(raw: bytes, name: str) -> RefValue:
     """A ref's bytes as `{"target", "history"}`, or a one-line CorruptBlobError naming the ref."""
     try:
         value = json.loads(raw)
@@ -68,7 +68,7 @@ def parse_ref(raw: bytes, name: str) -> RefValue:
     return value
 
 
-def read_local_object(path: Path, label: str, limit: int = MAX_OBJECT_BYTES) -> bytes:
+def read_local_object(path: Path, label: str, limit: int = _MAX_OBJECT_BYTES) -> bytes:
     """Read a small store object, refusing symlinks, FIFOs, devices, folders and oversized files.
 
     A plain `read_bytes` would hang on a FIFO and exhaust memory on a link to /dev/zero.
@@ -123,7 +123,7 @@ def publish(staged: Path, handle: BinaryIO, final: Path) -> None:
     os.fsync(handle.fileno())
     _makedirs_durably(final.parent)
     os.replace(staged, final)
-    fsync_dir(final.parent)
+    _fsync_dir(final.parent)
 
 
 def _makedirs_durably(folder: Path) -> None:
@@ -131,10 +131,10 @@ def _makedirs_durably(folder: Path) -> None:
         return
     _makedirs_durably(folder.parent)
     folder.mkdir(exist_ok=True)
-    fsync_dir(folder.parent)
+    _fsync_dir(folder.parent)
 
 
-def fsync_dir(path: Path) -> None:
+def _fsync_dir(path: Path) -> None:
     """Make a rename or a new entry in `path` durable (fsync of the file alone does not)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -183,7 +183,7 @@ class LocalRefBackend:
 
     def read(self, key: str) -> tuple[RefValue | None, Any]:
         raw = self._read_raw(key)
-        return (None, None) if raw is None else (parse_ref(raw, key), raw)
+        return (None, None) if raw is None else (_parse_ref(raw, key), raw)
 
     def write_if(self, key: str, value: RefValue, token: Any) -> bool:
         # Callers hold `exclusive(key)`, so the token check and the replace are one atomic step.
@@ -217,7 +217,7 @@ class S3RefBackend:
             raw, etag = read_s3_object(self.fs, bucket, object_key, f"ref '{key}'")
         except ArtifactNotFound:
             return None, None
-        return parse_ref(raw, key), etag
+        return _parse_ref(raw, key), etag
 
     def write_if(self, key: str, value: RefValue, token: Any) -> bool:
         bucket, object_key = self._bucket_key(key)
@@ -239,7 +239,7 @@ class S3RefBackend:
         return True
 
 
-def read_s3_object(fs: Any, bucket: str, key: str, label: str, limit: int = MAX_OBJECT_BYTES) -> tuple[bytes, str]:
+def read_s3_object(fs: Any, bucket: str, key: str, label: str, limit: int = _MAX_OBJECT_BYTES) -> tuple[bytes, str]:
     """A small S3 object's bytes and ETag; refuses one larger than `limit` before reading its body."""
     try:
         response = fs.call_s3("get_object", Bucket=bucket, Key=key)
