@@ -39,7 +39,7 @@ test: install
 	$(PY) -m pytest
 
 test-fast: install
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow and not sweep"
 
 bench: install
 	$(PY) benchmarks/store_throughput.py

@@ -1,5 +1,6 @@
-"""Every env's verifier is proved: the oracle solves >= 99 % of 200 generated tasks, and a
-do-nothing policy and three or more cheating policies per env score exactly 0.0."""
+"""Every env's verifier is proved: the oracle solves every category x difficulty slice (>= 99 % of
+200 generated tasks in the `sweep` run), and a do-nothing policy and three or more cheating
+policies per env score exactly 0.0."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ Actions = Callable[[dict[str, Any]], list[dict[str, Any]]]
 ENVS = [ToolUseChainEnv, WebNavigationEnv, SWEBenchEnv, LongHorizonEnv, FileStatsEnv]
 
 
-def _rewards(env_cls: type[HermesAgentBaseEnv], tiny_model: Path, items: int, policy: Actions | None) -> list[float]:
+def _rewards(
+    env_cls: type[HermesAgentBaseEnv], tiny_model: Path, items: int | list[int], policy: Actions | None
+) -> list[float]:
     env = env_cls(tokenizer_name=str(tiny_model), teacher="oracle")
     if policy is not None:
         env.oracle_policy = lambda item: ScriptedPolicy(policy(item))  # type: ignore[method-assign]
@@ -40,7 +43,8 @@ def _rewards(env_cls: type[HermesAgentBaseEnv], tiny_model: Path, items: int, po
             return reward
 
         try:
-            return await asyncio.gather(*(one(i) for i in range(items)))
+            indices = range(items) if isinstance(items, int) else items
+            return await asyncio.gather(*(one(i) for i in indices))
         finally:
             await env.teardown()
 
@@ -49,6 +53,34 @@ def _rewards(env_cls: type[HermesAgentBaseEnv], tiny_model: Path, items: int, po
     return rewards
 
 
+def _stratified(env_cls: type[HermesAgentBaseEnv], tiny_model: Path, per_slice: int) -> list[int]:
+    """Stream indices holding `per_slice` items of every (category, difficulty) slice."""
+    stream = env_cls(tokenizer_name=str(tiny_model), teacher="oracle")
+    asyncio.run(stream.setup())
+    taken: dict[tuple[str, str], int] = {}
+    indices = []
+    for index in range(400):
+        item = stream.stream.item(index)
+        key = (item["category"], item["difficulty"])
+        if taken.get(key, 0) < per_slice:
+            taken[key] = taken.get(key, 0) + 1
+            indices.append(index)
+    asyncio.run(stream.teardown())
+    return indices
+
+
+@pytest.mark.parametrize("env_cls", ENVS, ids=lambda c: c.name)
+def test_oracle_solves_every_slice(env_cls: type[HermesAgentBaseEnv], tiny_model: Path) -> None:
+    """A stratified sample: two tasks of every category x difficulty."""
+    indices = _stratified(env_cls, tiny_model, per_slice=2)
+    assert len(indices) >= 2 * len(env_cls.categories)
+    rewards = _rewards(env_cls, tiny_model, indices, None)
+    assert all(r == 1.0 for r in rewards), (
+        f"oracle failed {[i for i, r in zip(indices, rewards, strict=True) if r != 1.0]}"
+    )
+
+
+@pytest.mark.sweep
 @pytest.mark.parametrize("env_cls", ENVS, ids=lambda c: c.name)
 def test_oracle_solves_generated_tasks(env_cls: type[HermesAgentBaseEnv], tiny_model: Path) -> None:
     rewards = _rewards(env_cls, tiny_model, 200, None)
@@ -170,5 +202,5 @@ def test_do_nothing_and_cheats_score_zero(env_cls: type[HermesAgentBaseEnv], tin
     cheats = CHEATS[env_cls.name]
     assert len(cheats) >= 3
     for label, policy in {"do_nothing": lambda item: do_nothing(), **cheats}.items():
-        rewards = _rewards(env_cls, tiny_model, 12, policy)
+        rewards = _rewards(env_cls, tiny_model, 6, policy)
         assert max(rewards) == 0.0, f"{env_cls.name}/{label} scored {rewards}"
