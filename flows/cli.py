@@ -255,9 +255,13 @@ def artifacts_get(
 
 
 @artifacts_app.command("verify")
-def artifacts_verify() -> None:
-    """Check every manifest, blob and ref; exit 1 if anything is missing or corrupted."""
-    problems = state.store.verify()
+def artifacts_verify(
+    clean_staging: Annotated[
+        bool, typer.Option(help="Delete leftovers of killed writes instead of reporting them.")
+    ] = False,
+) -> None:
+    """Check every manifest, blob and ref, and staging leftovers; exit 1 if anything is wrong."""
+    problems = state.store.verify(clean_staging=clean_staging)
     for problem in problems:
         err_console.print(f"[red]problem:[/] {escape(problem)}", soft_wrap=True)
     if problems:

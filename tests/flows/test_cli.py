@@ -222,3 +222,15 @@ def test_multi_gpu_dry_run_carries_every_override_and_the_store(tmp_path: Path) 
     assert command[:4] == ["accelerate", "launch", "--num_processes", "2"]
     assert command[command.index("-m") + 1 :] == ["flows.cli", "--store", store, "train", "sft", "--config",
                                                   SFT_CONFIG, "max_steps=5", "learning_rate=1e-4"]  # fmt: skip
+
+
+def test_verify_reports_then_cleans_staging_leftovers(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    assert run("--store", str(store), "artifacts", "verify").returncode == 0
+    (store / "tmp").mkdir(exist_ok=True)
+    (store / "tmp" / "0123abcd").write_bytes(b"left by a killed put: no writer holds its lock")
+    # A leftover is reported (exit 1) until --clean-staging removes it.
+    reported = run("artifacts", "verify", "--store", str(store))
+    assert reported.returncode == 1 and "staging leftover" in reported.stderr
+    assert run("artifacts", "verify", "--clean-staging", "--store", str(store)).returncode == 0
+    assert run("artifacts", "verify", "--store", str(store)).returncode == 0
