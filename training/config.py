@@ -97,9 +97,11 @@ def load_config(model: type[BaseModel], path: str | Path | None, overrides: list
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            loaded = yaml.safe_load(Path(path).read_text())
+            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"config {path} is not UTF-8 text (a binary file?)") from err
         except (OSError, yaml.YAMLError) as err:
-            raise ConfigError(f"cannot read config {path}: {err}") from err
+            raise ConfigError(f"cannot read config {path}: {_first_line(err)}") from err
         if not isinstance(loaded, dict):
             raise ConfigError(f"config {path} must be a mapping of field: value")
         data.update(loaded)
@@ -107,7 +109,13 @@ def load_config(model: type[BaseModel], path: str | Path | None, overrides: list
         key, sep, value = override.partition("=")
         if not sep or not key:
             raise ConfigError(f"override '{override}' must look like key=value")
-        data[key.strip()] = yaml.safe_load(value)
+        try:
+            data[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override '{override}': the value is not valid YAML ({_first_line(err)})") from err
+    bad_keys = [key for key in data if not isinstance(key, str)]
+    if bad_keys:
+        raise ConfigError(f"config {path}: field names must be strings, got {bad_keys!r:.120}")
     unknown = sorted(set(data) - set(model.model_fields))
     try:
         if unknown:
@@ -116,3 +124,7 @@ def load_config(model: type[BaseModel], path: str | Path | None, overrides: list
     except ValidationError as err:
         lines = [f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in err.errors()]
         raise ConfigError(f"invalid config {path or ''}: " + " | ".join(lines)) from err
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -99,6 +99,8 @@ def test_an_unparsable_config_or_override_is_one_line(tmp_path: Path, case: str)
         config, overrides = SFT_CONFIG, ["x=["]
     result = run("--store", str(tmp_path / "store"), "train", "sft", "--config", str(config), *overrides)
     assert_one_error_line(result, 1)
+    wanted = {"binary": "not UTF-8", "mixed-keys": "field names must be strings", "bad-override": "not valid YAML"}
+    assert wanted[case] in result.stderr and "(-v shows the traceback)" not in result.stderr
 
 
 def test_failure_lines_are_one_line_and_name_unexpected_error_types() -> None:
