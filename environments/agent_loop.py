@@ -7,6 +7,14 @@ exception a tool raises) go back to the model as tool messages and are recorded 
 Only infrastructure failures (`InfraError`: the inference server unreachable after retries, the
 sandbox broken) end the rollout, as `infra_error`; `run` never raises.
 
+A reply the model wrote is the model's, whatever it contains. Servers that parse tool calls
+themselves can choke on a malformed one: `transformers serve` answers an opaque HTTP 500 (its
+response parser raises; the body says only "Internal Server Error"), other servers an error whose
+body names the parse failure. Neither is infra: a body that names a tool-call parse failure
+becomes a tool parse error the model sees; after any other HTTP error the loop asks the server's
+raw `completion` endpoint for the same prompt (rendered by `render_prompt`, the trainer's chat
+template) and parses that text itself. Only when that also fails is the server at fault.
+
 No reply can break what comes after the loop: at most `max_tool_calls_per_reply` calls of a reply
 run (the rest are reported to the model as an error), and every string that enters the
 conversation is `sanitize`d, so tokenisers and UTF-8 JSONL writers accept it.
@@ -18,10 +26,12 @@ import asyncio
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Protocol
 
-from environments.errors import AgentError, InfraError
+from environments.errors import AgentError, InfraError, ToolParseError
 from environments.tool_call_parsers import ParsedToolCall, get_parser
 from environments.tool_context import ToolContext
 from environments.tools import TOOLSETS, Tool
@@ -31,6 +41,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_TOOL_CALLS_PER_REPLY = 8
 _MAX_ARGUMENT_DEPTH = 32
 _SURROGATES = re.compile(r"[\ud800-\udfff]")
+# What servers say when *they* failed to parse the model's tool call (transformers' response
+# parser: "json parser could not parse region as JSON"; others name the tool call).
+_SERVER_PARSE_ERROR = re.compile(r"could not parse region|tool.?call.{0,60}pars|pars\w*.{0,60}tool.?call", re.I | re.S)
 
 
 class ChatServer(Protocol):
@@ -79,6 +92,7 @@ class HermesAgentLoop:
         tools: list[Tool] | None = None,
         inference_retries: int = 2,
         max_tool_calls_per_reply: int = DEFAULT_MAX_TOOL_CALLS_PER_REPLY,
+        render_prompt: Callable[[list[dict[str, Any]]], str] | None = None,
     ) -> None:
         self.server = server
         self.tool_schemas = tool_schemas
@@ -94,6 +108,7 @@ class HermesAgentLoop:
         self.tools = {name: known[name] for name in self.valid_tool_names if name in known}
         self.inference_retries = inference_retries
         self.max_tool_calls_per_reply = max_tool_calls_per_reply
+        self.render_prompt = render_prompt
 
     async def run(self, messages: list[dict[str, Any]]) -> AgentResult:
         """Run the loop on `messages` (system + user, usually); returns the whole conversation.
@@ -114,7 +129,15 @@ class HermesAgentLoop:
     async def _turns(self, result: AgentResult) -> None:
         ctx = ToolContext(self.task_id)
         for turn in range(self.max_turns):
-            reply = await self._complete(result.messages)
+            try:
+                reply = await self._complete(result.messages)
+            except ToolParseError as err:  # The server choked on the model's tool call: the model's reply.
+                result.turns_used = turn + 1
+                error = sanitize(str(err))
+                result.messages.append({"role": "assistant", "content": ""})
+                result.tool_errors.append(ToolError(turn, "<parse>", None, error))
+                result.messages.append({"role": "user", "content": f"Tool call error: {error}"})
+                continue
             result.turns_used = turn + 1
             usage = getattr(reply, "usage", None)
             result.completion_tokens += getattr(usage, "completion_tokens", 0) or 0
@@ -145,6 +168,11 @@ class HermesAgentLoop:
                 result.messages.append({"role": "user", "content": f"Tool call error: {parse_errors[0]}"})
 
     async def _complete(self, messages: list[dict[str, Any]]) -> Any:
+        """The server's reply; `ToolParseError` if the server could not parse the model's tool call.
+
+        Raises `InfraError` only when the server is down, times out, or fails a well-formed request
+        on both its chat and (with `render_prompt`) its raw completion endpoint.
+        """
         kwargs: dict[str, Any] = {
             "messages": _for_api(messages),
             "temperature": self.temperature,
@@ -163,10 +191,36 @@ class HermesAgentLoop:
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # Transport, HTTP 5xx, timeouts: the server's classes vary.
-                last = err
-                logger.warning("inference failed for task %s (attempt %d): %s", self.task_id, attempt + 1, err)
-                await asyncio.sleep(min(2.0, 0.25 * 2**attempt))
+                last = _root_cause(err)
+            detail = _http_error_detail(last)
+            if detail is not None and _SERVER_PARSE_ERROR.search(detail):
+                raise ToolParseError(f"the server could not parse your tool call: {detail[:500]}")
+            if detail is not None and self.render_prompt is not None and hasattr(self.server, "completion"):
+                raw = await self._complete_raw(messages, kwargs)
+                if raw is not None:
+                    return raw
+            logger.warning("inference failed for task %s (attempt %d): %s", self.task_id, attempt + 1, last)
+            await asyncio.sleep(min(2.0, 0.25 * 2**attempt))
         raise InfraError(f"inference failed after {self.inference_retries + 1} attempts: {last}")
+
+    async def _complete_raw(self, messages: list[dict[str, Any]], chat_kwargs: dict[str, Any]) -> Any:
+        """The same request on the raw completion endpoint, as a chat-shaped reply; None if it fails too.
+
+        A server that answers this after failing the chat request is up: the chat failure was its
+        handling of the model's output (server-side tool parsing), and the raw text is the reply.
+        """
+        assert self.render_prompt is not None
+        kwargs = {k: v for k, v in chat_kwargs.items() if k not in ("messages", "tools")}
+        try:
+            reply = await self.server.completion(prompt=self.render_prompt(messages), **kwargs)  # type: ignore[attr-defined]
+            text = reply.choices[0].text
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            logger.warning("raw completion failed for task %s too: %s", self.task_id, _root_cause(err))
+            return None
+        message = SimpleNamespace(role="assistant", content=text if isinstance(text, str) else "", tool_calls=None)
+        return SimpleNamespace(choices=[SimpleNamespace(message=message)], usage=getattr(reply, "usage", None))
 
     def _read_reply(self, reply: Any) -> tuple[str, list[ParsedToolCall], list[str]]:
         """Content and tool calls, native if the server parsed them, else parsed from the text.
@@ -255,6 +309,26 @@ def _nests_deeper(value: Any, levels: int) -> bool:
     if levels == 0:
         return True
     return any(_nests_deeper(item, levels - 1) for item in (value.values() if isinstance(value, dict) else value))
+
+
+def _root_cause(err: Exception) -> Exception:
+    """The error under retry wrappers (atroposlib's tenacity `RetryError` holds it in `last_attempt`)."""
+    for _ in range(8):
+        attempt = getattr(err, "last_attempt", None)
+        inner = attempt.exception() if attempt is not None and hasattr(attempt, "exception") else None
+        if not isinstance(inner, Exception):
+            break
+        err = inner
+    return err
+
+
+def _http_error_detail(err: Exception | None) -> str | None:
+    """`status: message body` when the server answered with an HTTP error, else None (down, timed out)."""
+    status = getattr(err, "status_code", None)
+    if not isinstance(status, int) or status < 400:
+        return None
+    body = getattr(err, "body", None)
+    return f"{status}: {getattr(err, 'message', err)} {json.dumps(body, default=str) if body is not None else ''}"
 
 
 def _for_api(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

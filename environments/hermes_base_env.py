@@ -18,6 +18,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -199,7 +200,8 @@ class HermesAgentBaseEnv(BaseEnv):
         ctx = ToolContext(task_id)
         try:
             await asyncio.to_thread(_prepare_workspace, ctx, item)
-            server = self.oracle_policy(item) if self.config.teacher == "oracle" else self.server
+            oracle = self.config.teacher == "oracle"
+            server = self.oracle_policy(item) if oracle else self.server
             loop = HermesAgentLoop(
                 server=server,
                 tool_schemas=schemas,
@@ -213,11 +215,10 @@ class HermesAgentBaseEnv(BaseEnv):
                 tools=self.extra_tools(),
                 inference_retries=self.config.inference_retries,
                 max_tool_calls_per_reply=self.config.max_tool_calls_per_reply,
+                render_prompt=None if oracle else self._prompt_renderer(schemas),
             )
             result = await loop.run(self.build_messages(item, schemas))
-            self._rollouts += 1
             if result.infra_error is not None:
-                self._infra_failures += 1
                 return result, None
             reward = float(min(1.0, max(0.0, await self.compute_reward(item, result, ctx))))
             return result, reward
@@ -230,6 +231,8 @@ class HermesAgentBaseEnv(BaseEnv):
         outcomes = await asyncio.gather(
             *(self.run_agent(item, self.config.agent_temperature, tools) for _ in range(self.config.group_size))
         )
+        self._rollouts += len(outcomes)  # Training counters: evaluation (`run_agentic_eval`) never touches them.
+        self._infra_failures += sum(1 for _, reward in outcomes if reward is None)
         group = ScoredDataGroup(
             tokens=[], masks=[], scores=[], messages=[], advantages=None, ref_logprobs=None,
             group_overrides={}, overrides=None, images=None,
@@ -250,6 +253,16 @@ class HermesAgentBaseEnv(BaseEnv):
             group["group_overrides"] = {"group_size": len(group["scores"])}
         group["meta"] = _meta(item, outcomes) | {"tools": tools[0]}  # type: ignore[typeddict-unknown-key]
         return group, []
+
+    def _prompt_renderer(self, tool_schemas: list[dict[str, Any]]) -> Callable[[list[dict[str, Any]]], str]:
+        """The prompt text the trainer's chat template makes of a conversation (for raw completions)."""
+
+        def render(messages: list[dict[str, Any]]) -> str:
+            return self.tokenizer.apply_chat_template(
+                sanitize(messages), tools=tool_schemas or None, tokenize=False, add_generation_prompt=True
+            )
+
+        return render
 
     def tokenize_conversation(
         self,
@@ -292,23 +305,32 @@ class HermesAgentBaseEnv(BaseEnv):
 
     # -- evaluation ------------------------------------------------------------------------------
 
-    async def run_agentic_eval(self, items: list[Item]) -> dict[str, float]:
+    async def run_agentic_eval(
+        self, items: list[Item], progress: Callable[[int, int], None] | None = None
+    ) -> dict[str, float]:
         """Full agent loop at temperature 0 on `items`; writes metrics.json and samples.jsonl.
 
-        Training metric buffers are rolled back afterwards, so evaluation never pollutes them.
+        `progress(done, total)` is called as each item finishes (a long evaluation shows it is alive).
+        Training metric buffers are rolled back afterwards and the training counters are never
+        touched, so evaluation never pollutes them.
         """
         started = time.time()
         buffer_mark = len(self._reward_buffer)
         semaphore = asyncio.Semaphore(self.config.eval_concurrency)
         tools = self._resolve_tools_for_group()
+        done = 0
 
         async def one(item: Item) -> dict[str, Any]:
+            nonlocal done
             async with semaphore:
                 try:
                     result, reward = await self.run_agent(item, 0.0, tools)
                 except Exception as err:  # The loop absorbs the model's faults: this one is ours, not its.
                     logger.exception("evaluation of item %s failed", item.get("item_id"))
                     result, reward = AgentResult(messages=[], infra_error=f"{type(err).__name__}: {err}"), None
+            done += 1
+            if progress is not None:
+                progress(done, len(items))
             return _eval_sample(item, result, reward)
 
         samples = await asyncio.gather(*(one(item) for item in items))
@@ -422,6 +444,7 @@ def _use_aiohttp_clients(servers: list[Any]) -> None:
                 api_key=client.api_key,
                 base_url=client.base_url,
                 timeout=client.timeout,
+                max_retries=0,  # atroposlib retries 3 x 3 times already; the SDK's 3 more made that 27.
                 http_client=openai.DefaultAioHttpClient(timeout=client.timeout),
             )
 
@@ -485,6 +508,7 @@ def _eval_sample(item: Item, result: AgentResult, reward: float | None) -> dict[
 
 
 def _eval_metrics(samples: list[dict[str, Any]]) -> dict[str, float]:
+    """Rates over the scored samples; infra failures are counted apart, never scored 0."""
     scored = [s for s in samples if s["reward"] is not None]
     n = len(scored) or 1
     metrics = {
@@ -493,6 +517,7 @@ def _eval_metrics(samples: list[dict[str, Any]]) -> dict[str, float]:
         "eval/mean_turns": sum(s["turns_used"] for s in scored) / n,
         "eval/tool_errors_per_rollout": sum(len(s["tool_errors"]) for s in scored) / n,
         "eval/infra_failures": float(len(samples) - len(scored)),
+        "eval/infra_failure_rate": (len(samples) - len(scored)) / (len(samples) or 1),
         "eval/n": float(len(samples)),
     }
     for key in sorted({s["category"] for s in scored if s["category"]}):

@@ -1,5 +1,10 @@
 """Agentic evaluation: every environment's `evaluate` (full agent loop, temperature 0) on its fixed
-held-out tasks against a served model; success per env / category / difficulty, turns, tool errors."""
+held-out tasks against a served model; success per env / category / difficulty, turns, tool errors.
+
+Infra failures (a task the server never answered) are left out of success rates and reported per
+env; an env with more than `max_infra_failure_rate` of them fails the run (`InfraFailureRateError`),
+because a success rate over the tasks that happened to get through is not the model's.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import logging
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +43,16 @@ class AgenticEvalConfig(BaseModel):
     tokenizer: str = Field(description="Local tokenizer dir (for the envs).")
     teacher: str = Field(default="server", description="`oracle` evaluates the oracle instead (a ceiling).")
     name: str = Field(default="agentic", description="Name of the eval artifact.")
+    max_infra_failure_rate: float = Field(
+        default=0.05, ge=0, le=1, description="Share of an env's tasks that may be infra failures before the run fails."
+    )
+
+
+class InfraFailureRateError(RuntimeError):
+    """Too many of an env's tasks failed for infrastructure reasons for its success rate to mean anything."""
+
+
+Progress = Callable[[str, int, int], None]
 
 
 def held_out_items(env_name: str, eval_size: int, tokenizer: str, **task_slice: Any) -> list[dict[str, Any]]:
@@ -76,8 +92,15 @@ def store_agentic_evalset(store: ArtifactStore, cfg: AgenticEvalConfig) -> Manif
     return store.put("evalset", "agentic", files, params=params)
 
 
-def run_agentic_eval(cfg: AgenticEvalConfig, store: ArtifactStore, model_ref: str | None = None) -> Manifest:
-    """Evaluate every env, aggregate, and store an `eval` artifact (results.json + samples per env)."""
+def run_agentic_eval(
+    cfg: AgenticEvalConfig, store: ArtifactStore, model_ref: str | None = None, progress: Progress | None = None
+) -> Manifest:
+    """Evaluate every env, aggregate, and store an `eval` artifact (results.json + samples per env).
+
+    Each finished task is logged as `<env>: done/total` and passed to `progress(env, done, total)`
+    (the Prefect stage shows it). Raises `InfraFailureRateError`, storing nothing, as soon as an
+    env's infra-failure share passes `cfg.max_infra_failure_rate`.
+    """
     started = time.perf_counter()
     evalset = store_agentic_evalset(store, cfg)
     files: dict[str, str] = {}
@@ -97,15 +120,17 @@ def run_agentic_eval(cfg: AgenticEvalConfig, store: ArtifactStore, model_ref: st
             if cfg.max_agent_turns:
                 overrides["max_agent_turns"] = cfg.max_agent_turns
             env = _env(name, server_configs=server_configs(cfg.base_url, cfg.model_name, cfg.api_key_env), **overrides)
-            per_env[name] = asyncio.run(_evaluate(env))
+            per_env[name] = asyncio.run(_evaluate(env, _reporter(name, progress)))
             lines = Path(out, "samples.jsonl").read_text(encoding="utf-8").splitlines()  # Not the locale's.
             samples = [json.loads(line) for line in lines]
+        _check_infra_failures(name, samples, cfg.max_infra_failure_rate)
         files[f"samples/{name}.jsonl"] = "".join(json.dumps(s) + "\n" for s in samples)
         all_samples.extend(samples)
     results = {"per_env": per_env, **aggregate(all_samples), "sandbox": isolation_report()}
     files["results.json"] = json.dumps(results, indent=2)
     metrics = {"success_rate": results["overall"]["success_rate"], "n": results["overall"]["n"]}
     metrics |= {f"{env}/success_rate": m["eval/success_rate"] for env, m in per_env.items()}
+    metrics |= {f"{env}/infra_failures": m["eval/infra_failures"] for env, m in per_env.items()}
     metrics["sandbox_isolated"] = float(bool(results["sandbox"]["isolated"]))
     metrics["wall_seconds"] = round(time.perf_counter() - started, 1)
     parents = [evalset.id] + ([model_ref] if model_ref else [])
@@ -114,12 +139,35 @@ def run_agentic_eval(cfg: AgenticEvalConfig, store: ArtifactStore, model_ref: st
     return manifest
 
 
-async def _evaluate(env: Any) -> dict[str, float]:
+async def _evaluate(env: Any, progress: Callable[[int, int], None]) -> dict[str, float]:
     await env.setup()
     try:
-        return await env.run_agentic_eval(env.eval_items)
+        return await env.run_agentic_eval(env.eval_items, progress=progress)
     finally:
         await env.close()
+
+
+def _reporter(env_name: str, progress: Progress | None) -> Callable[[int, int], None]:
+    """Log each finished task of `env_name` (the command line's progress) and pass it to `progress`."""
+
+    def report(done: int, total: int) -> None:
+        logger.info("agentic eval %s: %d/%d tasks done", env_name, done, total)
+        if progress is not None:
+            progress(env_name, done, total)
+
+    return report
+
+
+def _check_infra_failures(env_name: str, samples: list[dict[str, Any]], threshold: float) -> None:
+    """Fail loudly when more than `threshold` of an env's tasks are infra failures (reward None)."""
+    failed = [s for s in samples if s.get("reward") is None]
+    if samples and len(failed) / len(samples) > threshold:
+        example = next((s.get("infra_error") for s in failed if s.get("infra_error")), "no error recorded")
+        raise InfraFailureRateError(
+            f"agentic eval of env '{env_name}': {len(failed)} of {len(samples)} tasks were infra failures "
+            f"({len(failed) / len(samples):.0%}), above max_infra_failure_rate={threshold:.0%}; no success rate "
+            f"is reported. Check the inference server; first error: {str(example)[:300]}"
+        )
 
 
 def aggregate(samples: list[dict[str, Any]]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from prefect.concurrency.sync import concurrency
 from data import Manifest
 from flows import work
 from flows.profiles import RoundProfile
-from flows.ui import ProgressArtifact, artifact_link, markdown, metrics_table, stage_run_name
+from flows.ui import EvalProgress, ProgressArtifact, artifact_link, markdown, metrics_table, stage_run_name
 from flows.work import (
     CurateParams,
     EvaluateParams,
@@ -90,7 +90,7 @@ def _train(stage: str, params: SFTParams | RLParams, train: Callable[..., Manife
 def evaluate(params: EvaluateParams) -> str:
     """Serve the model and run the agentic evaluation on the env's held-out tasks."""
     with gpu_slots(params.profile):
-        manifest = work.evaluate(params)
+        manifest = work.evaluate(params, progress=EvalProgress(f"Agentic eval {params.name}, round {params.round_no}"))
     metrics_table(manifest, "eval-results", f"Agentic eval {params.name} of {params.model[:12]}")
     return manifest.id
 

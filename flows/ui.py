@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from prefect import get_run_logger
 from prefect.artifacts import (
     create_link_artifact,
     create_markdown_artifact,
@@ -65,3 +66,19 @@ class ProgressArtifact(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.max_steps:
             update_progress_artifact(self.artifact_id, 100.0 * state.global_step / state.max_steps)
+
+
+class EvalProgress:
+    """`progress(env, done, total)` for the agentic eval: a run-log line every tenth and a progress bar per env."""
+
+    def __init__(self, description: str) -> None:
+        self.description = description
+        self.artifact_ids: dict[str, Any] = {}
+
+    def __call__(self, env: str, done: int, total: int) -> None:
+        if env not in self.artifact_ids:
+            key = "eval-progress-" + "".join(c if c.isalnum() else "-" for c in env.lower())
+            self.artifact_ids[env] = create_progress_artifact(0.0, key=key, description=f"{self.description}: {env}")
+        update_progress_artifact(self.artifact_ids[env], 100.0 * done / max(total, 1))
+        if done == total or done % max(1, total // 10) == 0:
+            get_run_logger().info("agentic eval %s: %d/%d tasks done", env, done, total)

@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 from data import ArtifactStore, Manifest
 from data.curation import curate_to_store
 from environments.generate import generate_rollouts
-from evaluation.agentic import AgenticEvalConfig, run_agentic_eval
+from evaluation.agentic import AgenticEvalConfig, Progress, run_agentic_eval
 from evaluation.gate import gate
 from evaluation.lm_eval_runner import model_ref_of
 from evaluation.report import build_report
@@ -142,8 +142,8 @@ def rl(params: RLParams, callbacks: list[Any] | None = None) -> Manifest:
     return run_grpo(cfg, params.store(), callbacks=callbacks)
 
 
-def evaluate(params: EvaluateParams) -> Manifest:
-    """Serve the model and run the agentic evaluation on the env's held-out tasks."""
+def evaluate(params: EvaluateParams, progress: Progress | None = None) -> Manifest:
+    """Serve the model and run the agentic evaluation on the env's held-out tasks; `progress(env, done, total)`."""
     p, store = params.profile, params.store()
     model_dir = resolve_model(params.model, store)
     with ModelServer(ServerConfig(model=str(model_dir))) as server:
@@ -159,7 +159,7 @@ def evaluate(params: EvaluateParams) -> Manifest:
             max_agent_turns=6,
             name=params.name,
         )
-        return run_agentic_eval(cfg, store, model_ref_of(store, params.model))
+        return run_agentic_eval(cfg, store, model_ref_of(store, params.model), progress=progress)
 
 
 def promote(params: GateParams) -> Manifest:
