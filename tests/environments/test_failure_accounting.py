@@ -26,7 +26,7 @@ from environments.tool_use_chain import ToolUseChainEnv
 from environments.tools import TOOLSETS
 
 UNTERMINATED = '<tool_call>{"name": "write_file", "arguments": {"path": "a.txt", "content": "oops}'
-PARSE_ERROR = "json parser could not parse region as JSON.\nContent: '{\"name\": \"write_file\"...'"
+PARSE_ERROR = 'json parser could not parse region as JSON.\nContent: \'{"name": "write_file"...\''
 
 
 class _Model:
@@ -97,10 +97,9 @@ def serve() -> Iterator[Any]:
 class _Client:
     """atroposlib's server surface (`chat_completion`, `completion`) over a real OpenAI client."""
 
-    servers: list[Any] = []  # The ServerManager attribute evaluation logging reads.
-
     def __init__(self, base_url: str) -> None:
         self.client = openai.AsyncClient(base_url=base_url, api_key="x", max_retries=0, timeout=10)
+        self.servers: list[Any] = []  # The ServerManager attribute evaluation logging reads.
 
     async def chat_completion(self, **kwargs: Any) -> Any:
         return await self.client.chat.completions.create(model="fake", **kwargs)
@@ -140,7 +139,8 @@ def test_a_tool_call_the_server_cannot_parse_is_the_models_reply_and_only_a_fail
     url, model = serve("named")  # The body names the parse failure: no retry, no raw request needed.
     result = _run(url, render=False)
     assert result.infra_error is None and result.finished_naturally
-    assert "could not parse region" in result.tool_errors[0].error and "could not parse" in result.messages[3]["content"]
+    assert "could not parse region" in result.tool_errors[0].error
+    assert result.messages[3]["content"].startswith("Tool call error: the server could not parse your tool call")
     assert model.requests == ["/v1/chat/completions"] * 2
 
     url, model = serve("broken")  # Chat and raw both fail a well-formed request: the server's fault.
