@@ -15,62 +15,48 @@ Writes go blobs -> manifest -> ref, each fsynced (file and folder) before the ne
 crash at any point leaves no ref to a missing manifest and no manifest with a missing blob; at
 worst an unreferenced blob or a staging leftover remains, which `verify` reports and can clean.
 Everything read back is checked: names, manifest paths, object types and sizes, and hashes.
+
+This module is the `ArtifactStore` facade and what it alone knows: the layout, manifests and refs.
+Moving bytes (hashed copies, S3 parts and ranged GETs) is `data/transfer.py`'s job; what `verify`
+checks and the clean-up it may do are `data/verify.py`'s, so each can be read on its own.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import contextlib
-import errno
-import fcntl
 import functools
 import hashlib
 import io
-import itertools
 import json
 import logging
 import os
 import re
 import shutil
-import stat
 import tempfile
-import uuid
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import fsspec
-from fsspec.asyn import sync
 from pydantic import ValidationError
 
-from data.errors import ArtifactNotFound, CorruptBlobError, StoreError
+from data.errors import ArtifactNotFound, CorruptBlobError, StoreError, translate
 from data.manifest import FileEntry, Manifest, check_relpaths
 from data.refs import (
     LocalRefBackend,
     RefBackend,
     S3RefBackend,
     check_ref_name,
-    open_regular,
-    publish,
     read_local_object,
     read_s3_object,
-    staged_file,
     update_ref,
 )
+from data.transfer import STAGING, Progress, Transfer, source_state
+from data.verify import artifact_problems, copy_matches, discard, staging_problems
 
 DEFAULT_STORE = "./.flywheel"
 STORE_ENV = "FLYWHEEL_STORE"
-STAGING = "tmp"
-_CHUNK = 8 * 1024 * 1024  # Local copy and hash step.
-_PART = 32 * 1024 * 1024  # S3 multipart part and ranged-GET size, sent or fetched 8 at a time.
-_SINGLE_PUT_MAX = 100 * 1024 * 1024  # Below this one PUT, as s3fs itself does (2 x its 50 MiB part).
-_MAX_PARTS = 10_000
-_S3_CONCURRENCY = 8
 _MIN_PREFIX = 6
-_NO_SENDFILE = {errno.EINVAL, errno.ENOSYS, errno.ENOTSOCK, errno.EOPNOTSUPP, errno.EXDEV}  # As shutil.
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _KIND = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 
@@ -78,8 +64,6 @@ logger = logging.getLogger(__name__)
 
 # A file, a directory, or {relative path: content (bytes or text) | local file (Path)}.
 Source = str | os.PathLike[str] | Mapping[str, bytes | str | os.PathLike[str]]
-Progress = Callable[[int], None]
-Writer = Callable[[bytes], Any]
 
 
 class ArtifactStore:
@@ -105,6 +89,7 @@ class ArtifactStore:
             self.root = rest.strip("/")
             self._check_bucket()
             self._refs = S3RefBackend(self.fs, f"{self.root}/refs")
+        self._transfer = Transfer(self.fs, self.url, self.root, self.local, self._blob_path)
 
     def __repr__(self) -> str:
         return f"ArtifactStore({self.url!r})"
@@ -120,200 +105,17 @@ class ArtifactStore:
         The bytes hashed are the bytes stored, and a file that changes meanwhile is refused rather
         than stored torn.
         """
-        path = Path(path)
-        before = _source_state(path)
-        if self.local:
-            return self._put_local_file(path, before, progress)
-        return self._put_s3_file(path, before, progress)
-
-    def _put_local_file(self, path: Path, before: os.stat_result, progress: Progress | None) -> FileEntry:
-        with staged_file(Path(self.root, STAGING)) as (staged, handle), open(path, "rb") as source:
-            digest, size = _copy_file_hashing(source, handle, progress)
-            _check_unchanged(path, before)
-            self._publish_blob(staged, handle, digest, size)
-        return FileEntry(sha256=digest, size=size)
-
-    def _put_s3_file(self, path: Path, before: os.stat_result, progress: Progress | None) -> FileEntry:
-        # The key is the hash, so hashing must finish before the upload starts.
-        if before.st_size < _SINGLE_PUT_MAX:  # One read into memory: the bytes hashed are the bytes sent.
-            chunks: list[bytes] = []
-            with open(path, "rb") as source:
-                digest, _ = _copy_hashing(source, chunks.append, None)
-            _check_unchanged(path, before)
-            entry = self._put_hashed_bytes(b"".join(chunks), digest)
-        else:  # Too big for memory: hash, then upload in parts that are hashed again as they are sent.
-            with open(path, "rb") as source:
-                digest, _ = _copy_hashing(source, None, None)
-            entry = FileEntry(sha256=digest, size=before.st_size)
-            key = self._blob_path(digest)
-            if not self._object_present(key, entry.size):
-                self._translate(lambda: sync(self.fs.loop, self._upload, path, before, key, digest, progress))
-                return entry
-        if progress is not None:
-            progress(entry.size)
-        return entry
+        return self._transfer.put_file(Path(path), progress)
 
     def put_bytes(self, data: bytes) -> FileEntry:
         """Store a small in-memory payload as a blob."""
-        return self._put_hashed_bytes(data, hashlib.sha256(data).hexdigest())
-
-    def _put_hashed_bytes(self, data: bytes, digest: str) -> FileEntry:
-        key = self._blob_path(digest)
-        if not self._object_present(key, len(data)):
-            self._write_atomic(key, data)
-        return FileEntry(sha256=digest, size=len(data))
-
-    def _object_present(self, key: str, size: int) -> bool:
-        """De-duplication: an object of the right size is kept; a missing or truncated one is (re)written."""
-        if self.local:
-            try:
-                info = os.lstat(key)
-            except FileNotFoundError:
-                return False
-            return stat.S_ISREG(info.st_mode) and info.st_size == size
-        try:
-            return self._translate(lambda: self.fs.info(key))["size"] == size
-        except FileNotFoundError:
-            return False
-
-    def _publish_blob(self, staged: Path, handle: BinaryIO, digest: str, size: int) -> None:
-        final = Path(self._blob_path(digest))
-        if not self._object_present(str(final), size):
-            publish(staged, handle, final)
-
-    async def _upload(
-        self, path: Path, before: os.stat_result, key: str, digest: str, progress: Progress | None
-    ) -> None:
-        """Multipart upload with parts in flight in parallel; completed only if what was sent hashes to `digest`."""
-        bucket, object_key = key.split("/", 1)
-        loop = asyncio.get_running_loop()
-        part_size = max(_PART, -(-before.st_size // _MAX_PARTS))
-        upload = await self.fs._call_s3("create_multipart_upload", Bucket=bucket, Key=object_key)
-        ids = {"Bucket": bucket, "Key": object_key, "UploadId": upload["UploadId"]}
-        slots = asyncio.Semaphore(_S3_CONCURRENCY)
-        hasher = hashlib.sha256()
-
-        async def send(number: int, data: bytes) -> dict[str, Any]:
-            try:
-                result = await self.fs._call_s3("upload_part", PartNumber=number, Body=data, **ids)
-            finally:
-                slots.release()
-            if progress is not None:
-                progress(len(data))
-            return {"PartNumber": number, "ETag": result["ETag"]}
-
-        def read_part(source: BinaryIO) -> bytes:
-            data = source.read(part_size)
-            hasher.update(data)
-            return data
-
-        sends: list[asyncio.Future[dict[str, Any]]] = []
-        try:
-            with open(path, "rb") as source:
-                for number in range(1, -(-before.st_size // part_size) + 1):
-                    await slots.acquire()
-                    data = await loop.run_in_executor(None, read_part, source)
-                    sends.append(asyncio.ensure_future(send(number, data)))
-                parts = await asyncio.gather(*sends)
-            if hasher.hexdigest() != digest:
-                raise StoreError(f"'{path}' changed while it was being stored; store it again once it is complete")
-            _check_unchanged(path, before)
-            await self.fs._call_s3("complete_multipart_upload", MultipartUpload={"Parts": parts}, **ids)
-        except BaseException:
-            for pending in sends:
-                pending.cancel()
-            await asyncio.gather(*sends, return_exceptions=True)
-            with contextlib.suppress(Exception):  # Keep the original error; verify reports what remains.
-                await self.fs._call_s3("abort_multipart_upload", **ids)
-            raise
+        return self._transfer.put_bytes(data)
 
     def read_blob(self, entry: FileEntry, label: str = "") -> bytes:
         """Read a blob fully into memory, verifying its hash."""
         buffer = io.BytesIO()
-        self._stream_blob(entry, label, buffer)
+        self._transfer.stream_blob(entry, label, buffer)
         return buffer.getvalue()
-
-    def _stream_blob(
-        self, entry: FileEntry, label: str, out: BinaryIO | None, progress: Progress | None = None
-    ) -> None:
-        """Copy a blob to `out` (or only read it) while hashing it; raise if it is not the entry's bytes."""
-        key = self._blob_path(entry.sha256)
-        what = f"blob {entry.sha256} {label}".rstrip()
-        write = None if out is None else out.write
-        if self.local:
-            with open_regular(Path(key), what) as source:
-                if isinstance(out, io.BufferedWriter):
-                    digest, size = _copy_file_hashing(source, out, progress)
-                else:
-                    digest, size = _copy_hashing(source, write, progress)
-        else:
-            digest, size = self._translate(
-                lambda: sync(self.fs.loop, self._download, key, entry.size, write, progress, what), missing=what
-            )
-        if digest != entry.sha256 or size != entry.size:
-            raise CorruptBlobError(f"{what} is corrupted: its {size} bytes hash to {digest[:12]}…")
-
-    async def _download(
-        self, key: str, size: int, write: Writer | None, progress: Progress | None, what: str
-    ) -> tuple[str, int]:
-        """Ranged GETs in parallel, written and hashed in order; the object's total size is checked too."""
-        bucket, object_key = key.split("/", 1)
-        loop = asyncio.get_running_loop()
-        hasher = hashlib.sha256()
-
-        async def fetch(start: int) -> bytes:
-            ranged = {"Range": f"bytes={start}-{min(start + _PART, size) - 1}"} if size else {}
-            try:
-                response = await self.fs._call_s3("get_object", Bucket=bucket, Key=object_key, **ranged)
-            except OSError as err:
-                if err.errno != errno.EINVAL:  # s3fs's InvalidRange: the object is shorter than the manifest says.
-                    raise
-                raise CorruptBlobError(f"{what} is corrupted: it holds fewer than {size} bytes") from err
-            total = int(response.get("ContentRange", "/").rsplit("/", 1)[1] or response["ContentLength"])
-            async with response["Body"] as body:
-                if total != size:
-                    raise CorruptBlobError(f"{what} is corrupted: it holds {total} bytes, not {size}")
-                return await body.read()
-
-        def consume(data: bytes) -> None:
-            hasher.update(data)
-            if write is not None:
-                write(data)
-
-        starts = iter(range(0, max(size, 1), _PART))
-        window = collections.deque(asyncio.ensure_future(fetch(s)) for s in itertools.islice(starts, _S3_CONCURRENCY))
-        received = 0
-        try:
-            while window:
-                data = await window.popleft()
-                if (start := next(starts, None)) is not None:
-                    window.append(asyncio.ensure_future(fetch(start)))
-                await loop.run_in_executor(None, consume, data)
-                received += len(data)
-                if progress is not None:
-                    progress(len(data))
-        finally:
-            for pending in window:
-                pending.cancel()
-            await asyncio.gather(*window, return_exceptions=True)
-        return hasher.hexdigest(), received
-
-    def _get_blob(self, entry: FileEntry, dest: Path, label: str, progress: Progress | None) -> None:
-        """Copy a blob to `dest` atomically, verifying its hash; a bad blob leaves `dest` untouched."""
-        try:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
-        except OSError as err:
-            raise StoreError(f"cannot write '{dest}': {err.strerror}") from err
-        tmp = Path(tmp_name)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                self._stream_blob(entry, label, out, progress)
-            os.replace(tmp, dest)
-        except OSError as err:
-            raise StoreError(f"cannot copy {label} to '{dest}': {err.strerror}") from err
-        finally:
-            tmp.unlink(missing_ok=True)
 
     # -- artifacts ------------------------------------------------------------------------------
 
@@ -351,7 +153,7 @@ class ArtifactStore:
             params=dict(params or {}),
             metrics=dict(metrics or {}),
         )
-        self._write_atomic(self._manifest_path(manifest.id), manifest.canonical_bytes())
+        self._transfer.write_object(self._manifest_path(manifest.id), manifest.canonical_bytes())
         self._translate(lambda: update_ref(self._refs, ref_name, manifest.id, lambda _current: True, seen))
         return manifest
 
@@ -368,7 +170,7 @@ class ArtifactStore:
             target = dest / relpath
             if not target.resolve().is_relative_to(root):  # Paths are checked; this catches links inside dest.
                 raise StoreError(f"refusing to write '{target}': it leads outside '{dest}'")
-            self._get_blob(entry, target, f"({manifest.kind}/{manifest.name}:{relpath})", progress)
+            self._transfer.get_blob(entry, target, f"({manifest.kind}/{manifest.name}:{relpath})", progress)
         return dest
 
     def materialize(self, ref: str, cache_dir: str | os.PathLike[str]) -> Path:
@@ -376,10 +178,10 @@ class ArtifactStore:
         manifest = self.manifest(ref)
         target = Path(cache_dir) / manifest.id
         if target.exists() or target.is_symlink():
-            if _copy_matches(target, manifest):
+            if copy_matches(target, manifest):
                 return target
             logger.warning("cached copy %s does not match its manifest: fetching it again", target)
-            _discard(target)
+            discard(target)
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{manifest.id[:12]}."))
         try:
@@ -549,85 +351,8 @@ class ArtifactStore:
         unfinished multipart upload is one once it is older than `staging_grace_s`.
         """
         ids, strays = self._manifest_listing()
-        problems = [f"unexpected object {stray} (not a <sha256>.json manifest)" for stray in strays]
-        manifests: dict[str, Manifest] = {}
-        for manifest_id in ids:
-            try:
-                manifests[manifest_id] = self._read_manifest(manifest_id)
-            except StoreError as err:
-                problems.append(str(err))
-        checked: set[str] = set()
-        for manifest in manifests.values():
-            problems += [
-                f"manifest {manifest.id} names missing parent {parent}"
-                for parent in manifest.parents
-                if parent not in ids
-            ]
-            for relpath, entry in manifest.files.items():
-                if entry.sha256 in checked:
-                    continue
-                checked.add(entry.sha256)
-                try:
-                    self._stream_blob(entry, f"({manifest.kind}/{manifest.name}:{relpath})", None)
-                except StoreError as err:
-                    problems.append(str(err))
-        for name, target in self._scan_refs():
-            if isinstance(target, StoreError):
-                problems.append(str(target))
-            elif target not in ids:
-                problems.append(f"ref '{name}' points to missing manifest {target}")
-        return problems + self._staging_problems(clean_staging, staging_grace_s)
-
-    def _staging_problems(self, clean: bool, grace_s: float) -> list[str]:
-        """Leftovers of killed writes: unlocked files in tmp/ (local), stale multipart uploads (S3)."""
-        problems = []
-        if self.local:
-            staging = Path(self.root, STAGING)
-            for entry in sorted(staging.iterdir()) if staging.is_dir() else []:
-                if _held_by_writer(entry):
-                    continue
-                if clean:
-                    _discard(entry)
-                    logger.info("removed staging leftover %s", entry)
-                else:
-                    problems.append(
-                        f"staging leftover {STAGING}/{entry.name} ({entry.lstat().st_size} bytes) "
-                        "from an interrupted write: verify with clean_staging removes it"
-                    )
-            return problems
-        bucket, _, prefix = self.root.partition("/")
-        cutoff = datetime.now(UTC) - timedelta(seconds=grace_s)
-        for upload in self._multipart_uploads(bucket, f"{prefix}/" if prefix else ""):
-            if upload["Initiated"] > cutoff:
-                continue
-            if clean:
-                abort = functools.partial(
-                    self.fs.call_s3,
-                    "abort_multipart_upload",
-                    Bucket=bucket,
-                    Key=upload["Key"],
-                    UploadId=upload["UploadId"],
-                )
-                self._translate(abort)
-                logger.info("aborted unfinished upload of %s", upload["Key"])
-            else:
-                problems.append(
-                    f"unfinished upload of {upload['Key']} since {upload['Initiated']:%Y-%m-%d %H:%M} "
-                    "from an interrupted write: verify with clean_staging aborts it"
-                )
-        return problems
-
-    def _multipart_uploads(self, bucket: str, prefix: str) -> Iterator[dict[str, Any]]:
-        """Every unfinished multipart upload under `prefix`, page by page."""
-        after: dict[str, str] = {}
-        while True:
-            page = self._translate(
-                functools.partial(self.fs.call_s3, "list_multipart_uploads", Bucket=bucket, Prefix=prefix, **after)
-            )
-            yield from page.get("Uploads", [])
-            if not page.get("IsTruncated"):
-                return
-            after = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+        problems = artifact_problems(ids, strays, self._read_manifest, self._transfer.stream_blob, self._scan_refs())
+        return problems + staging_problems(self._transfer, clean_staging, staging_grace_s)
 
     # -- fsspec plumbing ------------------------------------------------------------------------
 
@@ -645,164 +370,13 @@ class ArtifactStore:
             return sorted(found)
         return self._translate(lambda: self.fs.find(prefix, refresh=True) if self.fs.exists(prefix) else [])
 
-    def _write_atomic(self, key: str, data: bytes) -> None:
-        """Whole-object write: staged, fsynced and renamed locally (an existing object is kept), a single PUT on S3."""
-        if self.local:
-            with staged_file(Path(self.root, STAGING)) as (staged, handle):
-                handle.write(data)
-                if not self._object_present(key, len(data)):
-                    publish(staged, handle, Path(key))
-        else:
-            self._translate(lambda: self.fs.pipe_file(key, data))
-
     def _check_bucket(self) -> None:
         bucket = self.root.split("/", 1)[0]
         self._translate(lambda: self.fs.call_s3("head_bucket", Bucket=bucket), missing=f"S3 bucket '{bucket}' of store")
 
     def _translate(self, call: Callable[[], Any], missing: str | None = None) -> Any:
-        """Run an fsspec call, turning transport and credential failures into one-line StoreErrors."""
-        try:
-            return call()
-        except StoreError:
-            raise
-        except FileNotFoundError as err:
-            if missing is None:
-                raise
-            raise ArtifactNotFound(f"{missing} is missing from {self.url}") from err
-        except Exception as err:  # botocore raises many unrelated classes; name the cause.
-            name = type(err).__name__
-            if name == "NoCredentialsError":
-                raise StoreError(
-                    f"no S3 credentials for {self.url}: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
-                ) from err
-            if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError"):
-                endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-                raise StoreError(f"cannot reach the S3 endpoint {endpoint or '(AWS default)'} for {self.url}") from err
-            if isinstance(err, PermissionError):
-                raise StoreError(f"access denied to {self.url}: {err}") from err
-            raise
-
-
-def _copy_hashing(source: BinaryIO, write: Writer | None, progress: Progress | None) -> tuple[str, int]:
-    """Copy `source` to `write` chunk by chunk, hashing the very bytes written on a second core."""
-    digest = hashlib.sha256()
-    size = 0
-    hashed: Future[None] | None = None
-    with ThreadPoolExecutor(1) as pool:
-        while chunk := source.read(_CHUNK):
-            if hashed is not None:
-                hashed.result()
-            hashed = pool.submit(digest.update, chunk)
-            if write is not None:
-                write(chunk)
-            size += len(chunk)
-            if progress is not None:
-                progress(len(chunk))
-        if hashed is not None:
-            hashed.result()
-    return digest.hexdigest(), size
-
-
-def _copy_file_hashing(source: BinaryIO, dest: BinaryIO, progress: Progress | None) -> tuple[str, int]:
-    """Copy file to file in the kernel (shutil's sendfile path), hashing each chunk read back from `dest`.
-
-    What gets hashed is the copy itself, at the cost of one memory copy per byte rather than two
-    for read+write; a second core hashes chunk k while the kernel copies chunk k+1. Where the
-    system cannot sendfile between these files, it falls back to read + write, as shutil does.
-    """
-    in_fd, out_fd = source.fileno(), dest.fileno()
-    digest = hashlib.sha256()
-    size = 0
-    hashed: Future[None] | None = None
-
-    def hash_back(offset: int, length: int) -> None:
-        digest.update(os.pread(out_fd, length, offset))
-
-    with ThreadPoolExecutor(1) as pool:
-        while True:
-            try:
-                sent = os.sendfile(out_fd, in_fd, None, _CHUNK)
-            except OSError as err:
-                if size or err.errno not in _NO_SENDFILE:
-                    raise
-                return _copy_hashing(source, dest.write, progress)
-            if not sent:
-                break
-            if hashed is not None:
-                hashed.result()
-            hashed = pool.submit(hash_back, size, sent)
-            size += sent
-            if progress is not None:
-                progress(sent)
-        if hashed is not None:
-            hashed.result()
-    return digest.hexdigest(), size
-
-
-def _source_state(path: Path) -> os.stat_result:
-    """The source's stat before a copy; only a regular file can be stored (a FIFO would hang the copy)."""
-    try:
-        state = path.stat()
-    except OSError as err:
-        raise StoreError(f"cannot store '{path}': {err.strerror}") from err
-    if not stat.S_ISREG(state.st_mode):
-        raise StoreError(f"cannot store '{path}': not a regular file")
-    return state
-
-
-def _check_unchanged(path: Path, before: os.stat_result) -> None:
-    try:
-        after = path.stat()
-    except OSError as err:
-        raise StoreError(f"'{path}' vanished while it was being stored") from err
-    if (after.st_size, after.st_mtime_ns, after.st_ino) != (before.st_size, before.st_mtime_ns, before.st_ino):
-        raise StoreError(f"'{path}' changed while it was being stored; store it again once it is complete")
-
-
-def _held_by_writer(path: Path) -> bool:
-    """True while a live writer holds the staging file's lock (a killed writer's lock is gone)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return False  # A link or something unreadable: no writer of ours made it.
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
-def _copy_matches(folder: Path, manifest: Manifest) -> bool:
-    """True if `folder` holds exactly the manifest's files (regular files, right bytes) and nothing else."""
-    if folder.is_symlink() or not folder.is_dir():
-        return False
-    found = {}
-    for parent, dirs, names in os.walk(folder):
-        for name in names + [d for d in dirs if Path(parent, d).is_symlink()]:
-            found[Path(parent, name).relative_to(folder).as_posix()] = Path(parent, name)
-    if found.keys() != manifest.files.keys():
-        return False
-    for relpath, path in found.items():
-        try:
-            with open_regular(path, str(path)) as source:
-                digest, size = _copy_hashing(source, None, None)
-        except StoreError:
-            return False
-        if (digest, size) != (manifest.files[relpath].sha256, manifest.files[relpath].size):
-            return False
-    return True
-
-
-def _discard(path: Path) -> None:
-    """Remove a file, link or folder; a folder is first renamed aside so it never looks half-deleted."""
-    if path.is_dir() and not path.is_symlink():
-        aside = path.with_name(f".{path.name}.discard.{uuid.uuid4().hex[:8]}")
-        os.rename(path, aside)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+        """Run an fsspec call on this store, its transport and credential failures as one-line StoreErrors."""
+        return translate(self.url, call, missing)
 
 
 def _source_items(source: Source) -> list[tuple[str, bytes | Path]]:
@@ -826,5 +400,5 @@ def _source_items(source: Source) -> list[tuple[str, bytes | Path]]:
         raise StoreError(str(err)) from None
     for _, item in items:
         if isinstance(item, Path):
-            _source_state(item)
+            source_state(item)
     return items

@@ -118,13 +118,13 @@ _CRASHER = textwrap.dedent(
     """
     import os, sys
     from data import ArtifactStore
-    from data.store import ArtifactStore as Cls
-    original = Cls._write_atomic
+    from data.transfer import Transfer as Cls
+    original = Cls.write_object
     def crash_on_manifest(self, key, data):
         if "/manifests/" in key:
             os._exit(9)  # Power cut after the blobs, before the manifest.
         return original(self, key, data)
-    Cls._write_atomic = crash_on_manifest
+    Cls.write_object = crash_on_manifest
     ArtifactStore(sys.argv[1]).put("dataset", "d", {"big.bin": os.urandom(100_000), "x": b"new"})
     """
 )

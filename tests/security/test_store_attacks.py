@@ -87,8 +87,8 @@ def test_manifest_paths_are_checked_on_every_read(store: ArtifactStore, tmp_path
 @pytest.fixture
 def _multipart(monkeypatch: pytest.MonkeyPatch) -> None:
     """Send BIG files to S3 in parallel parts (the path of files over 100 MiB), so tests stay small."""
-    monkeypatch.setattr("data.store._SINGLE_PUT_MAX", 0)
-    monkeypatch.setattr("data.store._PART", PART)
+    monkeypatch.setattr("data.transfer._SINGLE_PUT_MAX", 0)
+    monkeypatch.setattr("data.transfer._PART", PART)
 
 
 @pytest.mark.usefixtures("_multipart")
@@ -265,9 +265,9 @@ def test_bad_name_is_refused_before_anything_is_written(store: ArtifactStore, na
 _KILLED_PUT = textwrap.dedent(
     """
     import os, sys
-    import data.store
+    import data.transfer
     from data import ArtifactStore
-    data.store._SINGLE_PUT_MAX, data.store._PART = 0, int(sys.argv[3])  # As the `_multipart` fixture.
+    data.transfer._SINGLE_PUT_MAX, data.transfer._PART = 0, int(sys.argv[3])  # As the `_multipart` fixture.
     store = ArtifactStore(sys.argv[1])
     store.put("dataset", "big", sys.argv[2], progress=lambda n: os._exit(9))  # Killed mid-copy.
     """
