@@ -39,7 +39,7 @@ class StepResult:
     done: bool
     info: dict[str, Any]
 
-    def __iter__(self):  # Unpacks like the seed's `(next_state, reward, done, info)` tuple.
+    def __iter__(self):  # Unpacks as the gym-style `(next_state, reward, done, info)` tuple.
         return iter((self.next_state, self.reward, self.done, self.info))
 
 

@@ -5,7 +5,7 @@ tokenisation for the trainer, and a concurrent, resumable `process` mode. A conc
 declares only `config_init`, `setup`, `get_next_item`, `format_prompt`, `compute_reward`,
 `evaluate` and `wandb_log`, and ends with `if __name__ == "__main__": Env.cli()`.
 
-atroposlib 0.4.0 quirks handled here (see DESIGN.md): `process` runs one group at a time and
+atroposlib 0.4.0 quirks handled here (see docs/architecture.md): `process` runs one group at a time and
 renames an existing output file; `apply_chat_template` returns a BatchEncoding under
 transformers 5 (we tokenise with `return_dict=False`); `process` forces wandb on.
 """
@@ -113,7 +113,7 @@ class HermesAgentBaseEnv(BaseEnv):
         max_steps: int | None = None,
         **overrides: Any,
     ) -> None:
-        """Atroposlib's `(config, server_configs)`, or the seed's `Env(num_tasks=, difficulty=, max_steps=)`.
+        """Atroposlib's `(config, server_configs)`, or `Env(num_tasks=, difficulty=, max_steps=)`.
 
         Without a config, `config_init()` supplies the defaults; keyword overrides are config fields.
         """

@@ -1,4 +1,4 @@
-"""Imports go one way between our packages, and only flows/ imports Prefect (STYLE.md)."""
+"""Imports go one way between our packages, and only flows/ imports Prefect (docs/architecture.md)."""
 
 from __future__ import annotations
 

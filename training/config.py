@@ -1,4 +1,4 @@
-"""`RunnerConfig`: the seed's runner knobs as one validated, YAML-loadable config.
+"""`RunnerConfig`: the runner knobs as one validated, YAML-loadable config.
 
     flywheel train rl --config training/configs/grpo_tiny.yaml kl_beta=0.05 total_steps=20
 
@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 
 
 class RunnerConfig(BaseModel):
-    """One training run (RL or preference) with the seed's knobs."""
+    """One training run (RL or preference) with the runner knobs."""
 
     # -- models
     policy_model: str = Field(default="tiny", description="Model to train: smollm2 | tiny | ref | dir.")

@@ -1,4 +1,4 @@
-"""Run logs in the seed's layout, `logs/run-<date>/{metrics.jsonl, rollouts/, checkpoints/}`, plus the
+"""Run logs in the standard layout, `logs/run-<date>/{metrics.jsonl, rollouts/, checkpoints/}`, plus the
 Trainer callbacks that fill them and stop a run whose loss or reward stops being finite."""
 
 from __future__ import annotations
