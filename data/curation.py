@@ -2,7 +2,8 @@
 
 Filters, in order, each counted in the card:
 1. `infra`: rollouts whose inference failed never reach the JSONL; groups with none left are counted.
-2. `low_reward`: rollouts under `min_reward` (rejection sampling).
+2. `low_reward`: rollouts the env's verifier did not pass (`meta.completed`), or under `min_reward`
+   (rejection sampling; groups without `completed` fall back to `score >= 1.0`).
 3. `low_spread`: whole groups whose max-min score is under `min_group_spread`.
 4. `not_top_n`: all but the best `top_n_per_group` of a group (ties: fewer turns first).
 5. `exact_duplicate` / `near_duplicate`: same conversation, or word-shingle Jaccard >= threshold.
@@ -26,7 +27,9 @@ from pydantic import BaseModel, Field
 class CurationConfig(BaseModel):
     """Knobs of rejection sampling, de-duplication, decontamination and pairing."""
 
-    min_reward: float = Field(default=1.0, description="Keep rollouts scoring at least this.")
+    min_reward: float | None = Field(
+        default=None, description="Also require at least this score (None: the verifier's pass is enough)."
+    )
     top_n_per_group: int = Field(default=1, ge=1, description="Best rollouts kept per group.")
     min_group_spread: float = Field(default=0.0, ge=0, description="Drop groups whose max-min score is lower.")
     near_duplicate_jaccard: float = Field(default=0.9, gt=0, le=1, description="Near-duplicate threshold.")
@@ -81,9 +84,16 @@ def curate(
     for group in groups:
         result.groups_seen += 1
         meta = group.get("meta") or {}
+        scores = [float(s) for s in group.get("scores") or []]
+        completed = meta.get("completed") or [s >= 1.0 for s in scores]
         rollouts = [
-            {"messages": m, "score": float(s), "turns": sum(1 for x in m if x.get("role") == "assistant")}
-            for m, s in zip(group.get("messages") or [], group.get("scores") or [], strict=False)
+            {
+                "messages": m,
+                "score": s,
+                "completed": bool(c),
+                "turns": sum(1 for x in m if x.get("role") == "assistant"),
+            }
+            for m, s, c in zip(group.get("messages") or [], scores, completed, strict=False)
         ]
         result.rollouts_seen += len(rollouts)
         result.rewards_seen.extend(r["score"] for r in rollouts)
@@ -97,7 +107,8 @@ def curate(
         if config.min_group_spread > 0 and max(scores) - min(scores) < config.min_group_spread:
             result.removed["low_spread"] += len(rollouts)
             continue
-        good = [r for r in rollouts if r["score"] >= config.min_reward]
+        floor = config.min_reward
+        good = [r for r in rollouts if r["completed"] and (floor is None or r["score"] >= floor)]
         result.removed["low_reward"] += len(rollouts) - len(good)
         good.sort(key=lambda r: (-r["score"], r["turns"]))
         result.removed["not_top_n"] += max(0, len(good) - config.top_n_per_group)

@@ -32,9 +32,10 @@ from types import SimpleNamespace
 from typing import Any, Protocol
 
 from environments.errors import AgentError, InfraError, ToolParseError
+from environments.messages import messages_with_json_arguments
 from environments.tool_call_parsers import ParsedToolCall, get_parser
 from environments.tool_context import ToolContext
-from environments.tools import TOOLSETS, Tool
+from environments.tools import TOOLSETS, Tool, defined_tools
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,14 @@ class ToolError:
 
 @dataclass
 class AgentResult:
-    """What a rollout produced. Messages are OpenAI-style; tool-call arguments are dicts."""
+    """What a rollout produced (the seed's trajectory).
+
+    `messages` are OpenAI format: a tool call's `function.arguments` is a JSON string
+    (`environments.messages.tool_call_arguments` gives the dict). The env fills in
+    `task_completed` (its verifier's verdict; None when it has none) and `key_decisions_hit`
+    (share of its declared key decisions the agent made) before `compute_reward` runs, so a
+    reward function can read them, as in seed 000's reward template.
+    """
 
     messages: list[dict[str, Any]]
     turns_used: int = 0
@@ -73,6 +81,20 @@ class AgentResult:
     infra_error: str | None = None
     completion_tokens: int = 0
     prompt_tokens: int = 0
+    task_completed: bool | None = None
+    key_decisions_hit: float = 0.0
+
+    @property
+    def num_steps(self) -> int:
+        """Model calls the rollout used."""
+        return self.turns_used
+
+    @property
+    def num_tool_errors(self) -> int:
+        return len(self.tool_errors)
+
+    def record_tool_error(self, turn: int, tool_name: str, arguments: Any, error: str) -> None:
+        self.tool_errors.append(ToolError(turn, tool_name, arguments, error))
 
 
 class HermesAgentLoop:
@@ -103,7 +125,7 @@ class HermesAgentLoop:
         self.max_tokens = max_tokens
         self.extra_body = extra_body or {}
         self.parser = get_parser(tool_call_parser)
-        known = {t.name: t for toolset in TOOLSETS.values() for t in toolset}
+        known = defined_tools() | {t.name: t for toolset in TOOLSETS.values() for t in toolset}
         known.update({t.name: t for t in tools or []})
         self.tools = {name: known[name] for name in self.valid_tool_names if name in known}
         self.inference_retries = inference_retries
@@ -116,7 +138,7 @@ class HermesAgentLoop:
         Never raises: a batch of rollouts must survive any one of them. Infrastructure failures,
         and bugs of ours, are recorded as `infra_error` (the rollout is then dropped, not scored).
         """
-        result = AgentResult(messages=[sanitize(dict(m)) for m in messages])
+        result = AgentResult(messages=[sanitize(dict(m)) for m in messages_with_json_arguments(messages)])
         try:
             await self._turns(result)
         except InfraError as err:
@@ -128,6 +150,9 @@ class HermesAgentLoop:
 
     async def _turns(self, result: AgentResult) -> None:
         ctx = ToolContext(self.task_id)
+        prepare = getattr(self.server, "prepare_workspace", None)  # An env's server: the task's files.
+        if prepare is not None and "item" not in ctx.state:
+            await asyncio.to_thread(prepare, ctx, result.messages)
         for turn in range(self.max_turns):
             try:
                 reply = await self._complete(result.messages)
@@ -135,7 +160,7 @@ class HermesAgentLoop:
                 result.turns_used = turn + 1
                 error = sanitize(str(err))
                 result.messages.append({"role": "assistant", "content": ""})
-                result.tool_errors.append(ToolError(turn, "<parse>", None, error))
+                result.record_tool_error(turn, "<parse>", None, error)
                 result.messages.append({"role": "user", "content": f"Tool call error: {error}"})
                 continue
             result.turns_used = turn + 1
@@ -150,22 +175,40 @@ class HermesAgentLoop:
                 assistant["tool_calls"] = [call.as_message_entry() for call in calls]
             result.messages.append(assistant)
             for error in parse_errors:
-                result.tool_errors.append(ToolError(turn, "<parse>", None, error))
+                result.record_tool_error(turn, "<parse>", None, error)
             if dropped > 0:
                 error = (
                     f"only {self.max_tool_calls_per_reply} tool calls per reply are run; this reply had "
                     f"{len(calls) + dropped}, so the last {dropped} did not run"
                 )
-                result.tool_errors.append(ToolError(turn, "<too many calls>", None, error))
+                result.record_tool_error(turn, "<too many calls>", None, error)
                 parse_errors = [error, *parse_errors]
-            if not calls and not parse_errors:
-                result.finished_naturally = True
+            if await self._act(ctx, turn, content, calls, parse_errors, result):
                 return
-            for call in calls:
-                text = await self._execute(ctx, call, turn, result)
-                result.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": text})
-            if parse_errors:  # Tell the model what went wrong with its calls and let it retry.
-                result.messages.append({"role": "user", "content": f"Tool call error: {parse_errors[0]}"})
+
+    async def _act(
+        self,
+        ctx: ToolContext,
+        turn: int,
+        content: str,
+        calls: list[ParsedToolCall],
+        parse_errors: list[str],
+        result: AgentResult,
+    ) -> bool:
+        """Carry out one reply (already appended to `result.messages`); True when the episode is over.
+
+        Runs each tool call in the sandbox and appends its result as a `tool` message; a reply
+        with no calls and no parse errors is the final answer.
+        """
+        if not calls and not parse_errors:
+            result.finished_naturally = True
+            return True
+        for call in calls:
+            text = await self._execute(ctx, call, turn, result)
+            result.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": text})
+        if parse_errors:  # Tell the model what went wrong with its calls and let it retry.
+            result.messages.append({"role": "user", "content": f"Tool call error: {parse_errors[0]}"})
+        return False
 
     async def _complete(self, messages: list[dict[str, Any]]) -> Any:
         """The server's reply; `ToolParseError` if the server could not parse the model's tool call.
@@ -174,7 +217,7 @@ class HermesAgentLoop:
         on both its chat and (with `render_prompt`) its raw completion endpoint.
         """
         kwargs: dict[str, Any] = {
-            "messages": _for_api(messages),
+            "messages": messages_with_json_arguments(messages),
             "temperature": self.temperature,
             "n": 1,
         }
@@ -281,7 +324,7 @@ class HermesAgentLoop:
                 raise
             except AgentError as err:
                 error = sanitize(str(err))
-        result.tool_errors.append(ToolError(turn, call.name, call.arguments, error))
+        result.record_tool_error(turn, call.name, call.arguments, error)
         return f"Error: {error}"
 
 
@@ -329,19 +372,3 @@ def _http_error_detail(err: Exception | None) -> str | None:
         return None
     body = getattr(err, "body", None)
     return f"{status}: {getattr(err, 'message', err)} {json.dumps(body, default=str) if body is not None else ''}"
-
-
-def _for_api(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI wire format: tool-call arguments as JSON strings."""
-    out = []
-    for message in messages:
-        if message.get("tool_calls"):
-            message = {
-                **message,
-                "tool_calls": [
-                    {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
-                    for c in message["tool_calls"]
-                ],
-            }
-        out.append(message)
-    return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -22,10 +23,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+import atroposlib.envs.base as atropos_base
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from pydantic import Field, field_validator
 
 from environments.agent_loop import DEFAULT_MAX_TOOL_CALLS_PER_REPLY, AgentResult, HermesAgentLoop, sanitize
+from environments.episode import AgentEpisodes
+from environments.messages import messages_with_dict_arguments
+from environments.rewards import judge_verdict, keyword_overlap
 from environments.sandbox import isolation_report
 from environments.tool_call_parsers import PARSERS, get_parser
 from environments.tool_context import ToolContext
@@ -39,6 +44,37 @@ DEFAULT_SYSTEM_PROMPT = (
     "final answer and no tool call."
 )
 Item = dict[str, Any]
+
+
+class RewardError(ValueError):
+    """An env's reward function returned something that is not a finite number (a reward bug)."""
+
+
+class _DeferredTokenizer:
+    """The tokenizer atroposlib's `BaseEnv.__init__` loads eagerly, loaded on first use instead.
+
+    The gym view (`reset`/`step`) and the oracle never tokenise, so an env must construct offline
+    without its tokenizer; a runner may also replace it with the policy's before any use.
+    """
+
+    def __init__(self, name: str, *args: Any, **kwargs: Any) -> None:
+        self._args = (name, args, kwargs)
+        self._loaded: Any = None
+
+    def __getattr__(self, attr: str) -> Any:
+        if self._loaded is None:
+            from transformers import AutoTokenizer
+
+            name, args, kwargs = self._args
+            self._loaded = AutoTokenizer.from_pretrained(name, *args, **kwargs)
+        return getattr(self._loaded, attr)
+
+
+class _DeferredAutoTokenizer:
+    from_pretrained = _DeferredTokenizer
+
+
+atropos_base.AutoTokenizer = _DeferredAutoTokenizer  # type: ignore[attr-defined]
 
 
 class HermesAgentEnvConfig(BaseEnvConfig):
@@ -95,8 +131,11 @@ class HermesAgentEnvConfig(BaseEnvConfig):
         return value
 
 
-class HermesAgentBaseEnv(BaseEnv):
-    """Agent loop, tools, sandbox, tokenisation and a concurrent resumable `process` mode."""
+class HermesAgentBaseEnv(BaseEnv, AgentEpisodes):
+    """Agent loop, tools, sandbox, tokenisation and a concurrent resumable `process` mode.
+
+    Also a seed-000 `BaseEnvironment`: `reset` / `step` / `score` drive one episode by hand.
+    """
 
     name: str | None = None
     env_config_cls = HermesAgentEnvConfig
@@ -138,6 +177,11 @@ class HermesAgentBaseEnv(BaseEnv):
         self._reward_buffer: list[float] = []
         self._infra_failures = 0
         self._rollouts = 0
+        self.rewards_out_of_range = 0
+        self._judged: dict[tuple[str, str], float] = {}
+        self._items_by_prompt: dict[str, Item] = {}
+        # A loop built by hand from `self.server` (seed 004's `evaluate`) finds the task's files here.
+        self.server.prepare_workspace = self._prepare_workspace_for  # type: ignore[attr-defined]
 
     # -- hooks a concrete env implements ---------------------------------------------------------
 
@@ -146,8 +190,85 @@ class HermesAgentBaseEnv(BaseEnv):
         raise NotImplementedError
 
     async def compute_reward(self, item: Item, result: AgentResult, ctx: ToolContext) -> float:
-        """Score a finished rollout by inspecting the sandbox through `ctx`; in [0, 1]."""
+        """Score a finished rollout by inspecting the sandbox through `ctx`; within `reward_range`.
+
+        `result.task_completed` (from `verify`) and `result.key_decisions_hit` are already set.
+        """
         raise NotImplementedError
+
+    async def verify(self, item: Item, result: AgentResult, ctx: ToolContext) -> bool | None:
+        """Whether the task is done, judged on the sandbox's final state (None: the env has no verifier)."""
+        return None
+
+    def key_decisions_made(self, item: Item, result: AgentResult) -> float:
+        """Share of `key_decisions` (tool names) the agent called at least once without an error."""
+        if not self.key_decisions:
+            return 0.0
+        failed = {(e.turn, e.tool_name) for e in result.tool_errors}
+        made, turn = set(), -1
+        for message in result.messages:
+            if message.get("role") != "assistant":
+                continue
+            turn += 1
+            for call in message.get("tool_calls") or []:
+                name = (call.get("function") or {}).get("name")
+                if (turn, name) not in failed:
+                    made.add(name)
+        return sum(1 for k in self.key_decisions if k in made) / len(self.key_decisions)
+
+    async def score_rollout(self, item: Item, result: AgentResult, ctx: ToolContext) -> float:
+        """`verify`, key decisions, then `compute_reward`; a reward outside `reward_range` is logged and counted."""
+        result.task_completed = await self.verify(item, result, ctx)
+        result.key_decisions_hit = self.key_decisions_made(item, result)
+        reward = await self.compute_reward(item, result, ctx)
+        if not isinstance(reward, int | float) or not math.isfinite(reward):
+            raise RewardError(f"{self.name}: compute_reward returned {reward!r} for item {item.get('item_id')}")
+        low, high = self.reward_range
+        if not low <= reward <= high:
+            self.rewards_out_of_range += 1
+            logger.error(
+                "%s: reward %s for item %s is outside the declared reward_range %s (%d so far): a reward bug, "
+                "or declare a wider range",
+                self.name, reward, item.get("item_id"), self.reward_range, self.rewards_out_of_range,
+            )  # fmt: skip
+        return float(reward)
+
+    async def _llm_judge(self, item: Item, answer: str) -> float:
+        """Grade `answer` against the item's reference with `self.server` (seed 004's judge), in [0, 1].
+
+        The judge answers a JSON verdict; when the call or its JSON fails, keyword overlap with the
+        reference decides. One judge call per (item, answer): a second ask reads the first verdict.
+        """
+        key = (str(item.get("item_id")), answer)
+        if key not in self._judged:
+            reference = str(item.get("reference") or item.get("answer") or "")
+            if self.config.teacher == "oracle":  # No model server to judge with: the fallback decides.
+                self._judged[key] = keyword_overlap(answer, reference)
+            else:
+                self._judged[key] = await judge_verdict(self.server, self.format_prompt(item), answer, reference)
+        return self._judged[key]
+
+    def prepare_workspace(self, ctx: ToolContext, item: Item) -> None:
+        """Write the item's files and run its set-up commands in the sandbox; remember it by prompt."""
+        _prepare_workspace(ctx, item)
+
+    def remember_item(self, item: Item) -> Item:
+        """Index `item` by its prompt, so a hand-built loop's sandbox gets its files (bounded)."""
+        if len(self._items_by_prompt) >= 4096:
+            self._items_by_prompt.clear()
+        self._items_by_prompt[self.format_prompt(item)] = item
+        return item
+
+    def _prepare_workspace_for(self, ctx: ToolContext, messages: list[dict[str, Any]]) -> None:
+        """Set up the sandbox of a loop that was given only messages, from its user prompt."""
+        prompt = next((m.get("content") for m in messages if m.get("role") == "user"), None)
+        item = self._items_by_prompt.get(prompt) if isinstance(prompt, str) else None
+        if item is not None:
+            self.prepare_workspace(ctx, item)
+
+    def tools_by_name(self) -> dict[str, Any]:
+        """The tools this env's agent may call."""
+        return {t.name: t for t in resolve_toolsets(self.config.enabled_toolsets) + self.extra_tools()}
 
     def oracle_policy(self, item: Item) -> Any:
         """A server-like policy that solves `item` (used with `teacher=oracle`)."""
@@ -199,7 +320,7 @@ class HermesAgentBaseEnv(BaseEnv):
         task_id = f"{item.get('item_id', 'task')}-{uuid.uuid4().hex[:8]}"
         ctx = ToolContext(task_id)
         try:
-            await asyncio.to_thread(_prepare_workspace, ctx, item)
+            await asyncio.to_thread(self.prepare_workspace, ctx, item)
             oracle = self.config.teacher == "oracle"
             server = self.oracle_policy(item) if oracle else self.server
             loop = HermesAgentLoop(
@@ -220,8 +341,7 @@ class HermesAgentBaseEnv(BaseEnv):
             result = await loop.run(self.build_messages(item, schemas))
             if result.infra_error is not None:
                 return result, None
-            reward = float(min(1.0, max(0.0, await self.compute_reward(item, result, ctx))))
-            return result, reward
+            return result, await self.score_rollout(item, result, ctx)
         finally:
             ctx.cleanup()
 
@@ -238,6 +358,7 @@ class HermesAgentBaseEnv(BaseEnv):
             group_overrides={}, overrides=None, images=None,
         )  # fmt: skip
         prefix_cache: dict[str, list[int]] = {}  # The group shares its prompt: render it once.
+        completed: list[bool] = []
         for result, reward in outcomes:
             if reward is None:
                 continue
@@ -246,12 +367,13 @@ class HermesAgentBaseEnv(BaseEnv):
             group["masks"].append(masks)
             group["scores"].append(reward)
             group["messages"].append(result.messages)
+            completed.append(result.task_completed if result.task_completed is not None else reward >= 1.0)
             self._reward_buffer.append(reward)
         if not group["scores"]:
             return None, []
         if len(group["scores"]) < self.config.group_size:
             group["group_overrides"] = {"group_size": len(group["scores"])}
-        group["meta"] = _meta(item, outcomes) | {"tools": tools[0]}  # type: ignore[typeddict-unknown-key]
+        group["meta"] = _meta(item, outcomes) | {"tools": tools[0], "completed": completed}  # type: ignore[typeddict-unknown-key]
         return group, []
 
     def _prompt_renderer(self, tool_schemas: list[dict[str, Any]]) -> Callable[[list[dict[str, Any]]], str]:
@@ -259,7 +381,10 @@ class HermesAgentBaseEnv(BaseEnv):
 
         def render(messages: list[dict[str, Any]]) -> str:
             return self.tokenizer.apply_chat_template(
-                sanitize(messages), tools=tool_schemas or None, tokenize=False, add_generation_prompt=True
+                messages_with_dict_arguments(sanitize(messages)),
+                tools=tool_schemas or None,
+                tokenize=False,
+                add_generation_prompt=True,
             )
 
         return render
@@ -276,7 +401,7 @@ class HermesAgentBaseEnv(BaseEnv):
         whose rendering of a prefix is a prefix of the whole (ChatML, Llama 3, ...).
         Strings are `sanitize`d first: a lone surrogate cannot be encoded, and tokenisers refuse it.
         """
-        messages = sanitize(messages)
+        messages = messages_with_dict_arguments(sanitize(messages))
         cache = {} if cache is None else cache
 
         def render(part: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
@@ -357,6 +482,7 @@ class HermesAgentBaseEnv(BaseEnv):
             self._reward_buffer.clear()
         if self._rollouts:
             wandb_metrics["train/infra_failure_rate"] = self._infra_failures / self._rollouts
+            wandb_metrics["env/rewards_out_of_range"] = self.rewards_out_of_range
         await super().wandb_log(wandb_metrics)
 
     # -- process mode: concurrent, appending, resumable ------------------------------------------
@@ -497,7 +623,9 @@ def _eval_sample(item: Item, result: AgentResult, reward: float | None) -> dict[
             "category": item.get("category"),
             "difficulty": item.get("difficulty"),
             "reward": reward,
-            "success": reward is not None and reward >= 0.999,
+            "success": reward is not None
+            and (reward >= 0.999 if result.task_completed is None else result.task_completed),
+            "task_completed": result.task_completed,
             "infra_error": result.infra_error,
             "turns_used": result.turns_used,
             "finished_naturally": result.finished_naturally,

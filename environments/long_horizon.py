@@ -37,8 +37,15 @@ class LongHorizonEnv(TaskEnv):
         config = LongHorizonEnvConfig(tokenizer_name=default_tokenizer(), group_size=2, use_wandb=False)
         return config, cls.default_server_configs()
 
+    reward_range = (0.0, 1.0)
+
+    async def verify(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> bool:
+        """Every milestone holds (the score is kept for `compute_reward`: partial credit)."""
+        ctx.state["milestones"] = milestone_score(item, ctx)
+        return ctx.state["milestones"] >= 1.0
+
     async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
-        return milestone_score(item, ctx) * efficiency(result.turns_used, tasks.STEP_BUDGET)
+        return ctx.state["milestones"] * efficiency(result.turns_used, tasks.STEP_BUDGET)
 
 
 def milestone_score(item: dict[str, Any], ctx: ToolContext) -> float:

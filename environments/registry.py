@@ -1,8 +1,17 @@
-"""Environment names -> `"module:Class"`, so naming an env does not import it (lm-eval's pattern)."""
+"""Environment names -> `"module:Class"`, so naming an env does not import it (lm-eval's pattern).
+
+An env is named in one of three ways: a registered name (`ENVIRONMENTS`), `"module:Class"`, or
+a file path (`"path/to/my_env.py"`, or `"path/to/my_env.py:MyEnv"` when it defines several).
+A seed-000 `BaseEnvironment` that is not already an agent env is wrapped in `StepEnvAdapter`.
+"""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
 from typing import Any
 
 ENVIRONMENTS = {
@@ -16,9 +25,58 @@ ENVIRONMENTS = {
 TASK_FAMILIES = ("tool_use_chain", "web_navigation", "swe_bench", "long_horizon")
 
 
-def env_class(name: str) -> Any:
-    """The environment class registered as `name`; an unknown name lists the known ones."""
-    if name not in ENVIRONMENTS:
-        raise ValueError(f"unknown environment '{name}'; known: {', '.join(ENVIRONMENTS)}")
-    module, _, cls = ENVIRONMENTS[name].partition(":")
-    return getattr(importlib.import_module(module), cls)
+def is_env_spec(spec: str) -> bool:
+    """Whether `spec` names an env in one of the accepted forms (without importing it)."""
+    return spec in ENVIRONMENTS or ":" in spec or spec.endswith(".py")
+
+
+def env_class(spec: str) -> Any:
+    """The agent-env class `spec` names; an unknown name lists the known ones."""
+    from environments.adapter import adapter_class
+    from environments.base import BaseEnvironment
+    from environments.hermes_base_env import HermesAgentBaseEnv
+
+    if not is_env_spec(spec):
+        raise ValueError(
+            f"unknown environment '{spec}'; known: {', '.join(ENVIRONMENTS)} (or module:Class, or a .py file)"
+        )
+    target = ENVIRONMENTS.get(spec, spec)
+    location, _, class_name = target.rpartition(":") if ":" in target else (target, "", "")
+    module = _load_module(location)
+    if class_name:
+        if not hasattr(module, class_name):
+            raise ValueError(f"environment '{spec}': {location} defines no {class_name}")
+        cls = getattr(module, class_name)
+    else:
+        found = [
+            c for _, c in inspect.getmembers(module, inspect.isclass)
+            if issubclass(c, BaseEnvironment) and c.__module__ == module.__name__
+        ]  # fmt: skip
+        if len(found) != 1:
+            names = ", ".join(c.__name__ for c in found) or "none"
+            raise ValueError(f"environment '{spec}': expected one BaseEnvironment in the file, found {names}; "
+                             "name it as path.py:Class")  # fmt: skip
+        cls = found[0]
+    if not (isinstance(cls, type) and issubclass(cls, BaseEnvironment)):
+        raise ValueError(f"environment '{spec}': {cls!r} is not a BaseEnvironment")
+    return cls if issubclass(cls, HermesAgentBaseEnv) else adapter_class(cls)
+
+
+def _load_module(location: str) -> Any:
+    """A module by dotted name, or by file path (imported under a name derived from the path)."""
+    if not location.endswith(".py"):
+        try:
+            return importlib.import_module(location)
+        except ImportError as err:
+            raise ValueError(f"cannot import environment module '{location}': {err}") from err
+    path = Path(location).resolve()
+    if not path.is_file():
+        raise ValueError(f"environment file not found: {location}")
+    name = f"flywheel_user_env_{path.stem}_{abs(hash(str(path))):x}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]

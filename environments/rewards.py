@@ -5,6 +5,8 @@ Rewards judge the final state through the verifier, never the model's claims.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import re
 from typing import Any
@@ -58,32 +60,62 @@ def keyword_overlap(answer: str, reference: str) -> float:
     return len(words & found) / len(words)
 
 
-async def llm_judge(server: Any, question: str, answer: str, reference: str) -> float:
-    """Ask the env's server to grade `answer` against `reference` (0-10 -> [0, 1]).
+JUDGE_TIMEOUT_S = 60.0
 
-    Falls back to `keyword_overlap` when the judge call fails or its reply has no number,
-    so a flaky judge never turns into a zero reward.
+
+async def judge_verdict(server: Any, question: str, answer: str, reference: str) -> float:
+    """Ask `server` for a JSON verdict `{"score": 0-10, "reason": "..."}` on `answer`; in [0, 1].
+
+    Falls back to `keyword_overlap` when the judge call fails, times out, or its reply holds no
+    JSON object with a numeric `score`, so a flaky judge never turns into a zero reward.
     """
     prompt = (
-        "Grade the answer against the reference on a scale of 0 to 10. Reply with the number only.\n"
+        "Grade the answer against the reference. Reply with a JSON object only: "
+        '{"score": <integer 0-10>, "reason": "<one sentence>"}.\n'
         f"Question: {question}\nReference: {reference}\nAnswer: {answer}"
     )
     try:
-        reply = await server.chat_completion(
-            messages=[
-                {"role": "system", "content": "You are a strict grader."},
-                {"role": "user", "content": prompt},
-            ],
-            temperature=0.0,
-            max_tokens=8,
-            n=1,
+        reply = await asyncio.wait_for(
+            server.chat_completion(
+                messages=[
+                    {"role": "system", "content": "You are a strict grader."},
+                    {"role": "user", "content": prompt},
+                ],
+                temperature=0.0,
+                max_tokens=96,
+                n=1,
+            ),
+            JUDGE_TIMEOUT_S,
         )
-        match = re.search(r"\d+(?:\.\d+)?", reply.choices[0].message.content or "")
-        if match:
-            return min(1.0, max(0.0, float(match.group()) / 10.0))
+        score = parse_verdict(reply.choices[0].message.content or "")
+        if score is not None:
+            return score
+        logger.warning("LLM judge gave no JSON verdict, using keyword overlap")
     except Exception as err:  # The judge is optional; its failures must not crash scoring.
         logger.warning("LLM judge failed, using keyword overlap: %s", err)
     return keyword_overlap(answer, reference)
+
+
+def parse_verdict(text: str) -> float | None:
+    """The `score` (0-10) of the first JSON object in `text`, scaled to [0, 1]; None if there is none.
+
+    >>> parse_verdict('Verdict: {"score": 7, "reason": "close"}')
+    0.7
+    >>> parse_verdict("8/10") is None
+    True
+    """
+    start = text.find("{")
+    while start != -1:
+        try:
+            verdict, _ = json.JSONDecoder().raw_decode(text, start)
+        except ValueError:
+            start = text.find("{", start + 1)
+            continue
+        score = verdict.get("score") if isinstance(verdict, dict) else None
+        if isinstance(score, int | float) and not isinstance(score, bool):
+            return min(1.0, max(0.0, float(score) / 10.0))
+        return None
+    return None
 
 
 def final_answer(messages: list[dict[str, Any]]) -> str:

@@ -21,7 +21,6 @@ from pydantic import Field
 from environments.agent_loop import AgentResult
 from environments.hermes_base_env import HermesAgentEnvConfig, default_tokenizer
 from environments.policies import call, final
-from environments.rewards import binary_reward
 from environments.task_env import TaskEnv
 from environments.tasks import swe_tasks as tasks
 from environments.tool_context import ToolContext
@@ -55,20 +54,20 @@ class SWEBenchEnv(TaskEnv):
         self.eval_items = instances[: self.config.eval_size]
         self.index = 0
 
-    async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
+    async def verify(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> bool:
         """Every hidden test must be reported passed in pytest's junit report (never the exit code)."""
         answer = item["answer"]
         fresh_verify_dir(ctx)
         if "test_patch" in answer:  # A real instance: apply the hidden tests, run the named ones.
             ctx.write_file(".verify/test.patch", answer["test_patch"])
             if ctx.terminal("git apply .verify/test.patch")["exit_code"] != 0:
-                return 0.0
+                return False
             node_ids = answer["FAIL_TO_PASS"] + answer["PASS_TO_PASS"]
             outcomes = run_pytest(ctx, " ".join(shlex.quote(n) for n in node_ids), timeout=120)
-            return binary_reward(outcomes.all_passed(expected=len(set(node_ids))))
+            return outcomes.all_passed(expected=len(set(node_ids)))
         ctx.write_file(".verify/test_hidden.py", answer["hidden_tests"])
         outcomes = run_pytest(ctx, ".verify/test_hidden.py", timeout=120)
-        return binary_reward(outcomes.all_passed(expected=answer["hidden_tests"].count("\ndef test_")))
+        return outcomes.all_passed(expected=answer["hidden_tests"].count("\ndef test_"))
 
 
 class _ListStream:

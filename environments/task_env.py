@@ -1,6 +1,7 @@
 """`TaskEnv`: the shared shape of the built-in environments, whose items come from a task family.
 
-A subclass names its family (`make_task`, `categories`) and writes `compute_reward`; `setup`,
+A subclass names its family (`make_task`, `categories`) and writes `verify` (and `compute_reward`
+when its reward is more than the verifier's pass/fail); `setup`,
 `get_next_item`, `format_prompt` and `evaluate` follow the hermes-agent contract with the usual
 defaults: training items from the config's `seed` (filtered and weighted by `difficulty`,
 `categories` and the mined `task_mix`), held-out items from `eval_seed` (same slice, no mix).
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from environments.agent_loop import AgentResult
 from environments.hermes_base_env import HermesAgentBaseEnv
+from environments.rewards import binary_reward
 from environments.task_stream import MakeTask, TaskStream
 
 
@@ -25,11 +28,22 @@ class TaskEnv(HermesAgentBaseEnv):
         family = (self.name, type(self).make_task, self.categories)
         self.stream = TaskStream(*family, cfg.seed, cfg.difficulty, cfg.categories, cfg.task_mix)
         self.eval_items = TaskStream(*family, cfg.eval_seed, cfg.difficulty, cfg.categories).items(cfg.eval_size)
+        for item in self.eval_items:
+            self.remember_item(item)
         self.index = 0
+
+    @property
+    def _eval_items(self) -> list[dict[str, Any]]:
+        """The held-out items under the name seed 004's `evaluate` sample reads."""
+        return self.eval_items
 
     async def get_next_item(self) -> dict[str, Any]:
         self.index += 1
-        return self.stream.item(self.index - 1)
+        return self.remember_item(self.stream.item(self.index - 1))
+
+    async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: Any) -> float:
+        """1.0 when the verifier passed the task, else 0.0."""
+        return binary_reward(bool(result.task_completed))
 
     def format_prompt(self, item: dict[str, Any]) -> str:
         return item["prompt"]

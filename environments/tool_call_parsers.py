@@ -25,11 +25,11 @@ class ParsedToolCall:
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:12]}")
 
     def as_message_entry(self) -> dict[str, Any]:
-        """The OpenAI-style `tool_calls[]` entry (arguments kept as a dict, as TRL wants)."""
+        """The OpenAI `tool_calls[]` entry: arguments as a JSON string, as the wire format has them."""
         return {
             "id": self.id,
             "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)},
         }
 
 

@@ -86,7 +86,17 @@ def tool(fn: Callable[..., Any]) -> Tool:
         if param.default is inspect.Parameter.empty:
             required.append(name)
     parameters = {"type": "object", "properties": properties, "required": required}
-    return Tool(name=fn.__name__, description=summary, parameters=parameters, fn=fn)
+    made = Tool(name=fn.__name__, description=summary, parameters=parameters, fn=fn)
+    _DEFINED[made.name] = made
+    return made
+
+
+_DEFINED: dict[str, Tool] = {}
+
+
+def defined_tools() -> dict[str, Tool]:
+    """Every tool made with `@tool` so far, by name: a loop given only tool *names* finds them here."""
+    return dict(_DEFINED)
 
 
 def _json_schema(annotation: Any) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from pydantic import Field
 from environments.agent_loop import AgentResult
 from environments.hermes_base_env import HermesAgentEnvConfig, default_tokenizer
 from environments.policies import ScriptedPolicy
-from environments.rewards import binary_reward, final_answer
+from environments.rewards import final_answer
 from environments.task_env import TaskEnv
 from environments.tasks import web_tasks as tasks
 from environments.tool_context import ToolContext
@@ -59,8 +59,8 @@ class WebNavigationEnv(TaskEnv):
         actions = json.loads(json.dumps(item["oracle"]).replace("{site}", self.site.base_url))
         return ScriptedPolicy(actions, self.config.tool_call_parser)
 
-    async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
-        return binary_reward(tasks.verify(item, final_answer(result.messages)))
+    async def verify(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> bool:
+        return tasks.verify(item, final_answer(result.messages))
 
 
 if __name__ == "__main__":

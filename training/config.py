@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from environments.registry import ENVIRONMENTS
+from environments.registry import ENVIRONMENTS, is_env_spec
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +72,11 @@ class RunnerConfig(BaseModel):
             problems.append(
                 f"batch_size={self.batch_size} must be a multiple of num_rollouts_per_task={self.num_rollouts_per_task}"
             )
-        unknown = [e for e in self.envs if e not in ENVIRONMENTS]
+        unknown = [e for e in self.envs if not is_env_spec(e)]
         if unknown:
-            problems.append(f"unknown envs {unknown}; known: {', '.join(ENVIRONMENTS)}")
+            problems.append(
+                f"unknown envs {unknown}; known: {', '.join(ENVIRONMENTS)} (or module:Class, or a .py file)"
+            )
         if self.algorithm == "grpo" and self.ref_model not in (None, self.policy_model):
             problems.append("GRPO's KL reference is the initial policy: leave ref_model empty or equal to policy_model")
         if self.algorithm == "dpo" and not self.dataset:

@@ -13,7 +13,7 @@ from pydantic import Field
 from environments.agent_loop import AgentResult
 from environments.hermes_base_env import HermesAgentEnvConfig, default_tokenizer
 from environments.policies import call, final
-from environments.rewards import binary_reward
+from environments.rewards import final_answer
 from environments.task_env import TaskEnv
 from environments.tool_context import ToolContext
 
@@ -26,6 +26,7 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
         "prompt": "How many lines does notes.txt have? Write just the number to answer.txt.",
         "files": {"notes.txt": text},
         "answer": {"lines": lines},
+        "reference": f"notes.txt has {lines} lines",
         "oracle": [
             call("terminal", command="wc -l notes.txt"),
             call("write_file", path="answer.txt", content=str(lines)),
@@ -49,11 +50,21 @@ class FileStatsEnv(TaskEnv):
         config = FileStatsEnvConfig(tokenizer_name=default_tokenizer(), group_size=2, use_wandb=False)
         return config, cls.default_server_configs()
 
-    async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
+    async def verify(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> bool:
         try:  # Verify the file, never the model's claim.
-            return binary_reward(int(ctx.read_file("answer.txt").strip()) == item["answer"]["lines"])
+            return int(ctx.read_file("answer.txt").strip()) == item["answer"]["lines"]
         except (OSError, ValueError):
+            return False
+
+    async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
+        """Seed 004's multi-signal shape: the verified file earns 0.8, a judged final reply the rest.
+
+        The judge only adds to a verified task, so talking well can never stand in for the work.
+        """
+        if not result.task_completed:
             return 0.0
+        reply = final_answer(result.messages)
+        return 0.8 + 0.2 * await self._llm_judge(item, reply) if reply else 0.8
 
     async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
         await super().wandb_log(wandb_metrics)  # Add env-specific metrics here, then call super.
