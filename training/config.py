@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from environments.registry import ENVIRONMENTS, is_env_spec
 
@@ -26,7 +26,9 @@ class ConfigError(ValueError):
 
 
 class RunnerConfig(BaseModel):
-    """One training run (RL or preference) with the runner knobs."""
+    """One training run (RL or preference) with the runner knobs; unknown fields are an error."""
+
+    model_config = ConfigDict(extra="forbid")
 
     # -- models
     policy_model: str = Field(default="tiny", description="Model to train: smollm2 | tiny | ref | dir.")
@@ -77,6 +79,8 @@ class RunnerConfig(BaseModel):
             problems.append(
                 f"unknown envs {unknown}; known: {', '.join(ENVIRONMENTS)} (or module:Class, or a .py file)"
             )
+        if self.algorithm == "grpo" and len(self.envs) > 1:
+            problems.append(f"GRPO trains on one env per run; got {len(self.envs)} ({', '.join(self.envs)})")
         if self.algorithm == "grpo" and self.ref_model not in (None, self.policy_model):
             problems.append("GRPO's KL reference is the initial policy: leave ref_model empty or equal to policy_model")
         if self.algorithm == "dpo" and not self.dataset:

@@ -26,7 +26,7 @@ from environments.hermes_base_env import HermesAgentBaseEnv, _prepare_workspace
 from environments.registry import env_class
 from environments.tool_context import ToolContext
 from environments.tools import Tool, resolve_toolsets
-from training.config import RunnerConfig
+from training.config import ConfigError, RunnerConfig
 from training.models import resolve_model
 from training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
 
@@ -210,8 +210,14 @@ def task_dataset(env: HermesAgentBaseEnv, num_tasks: int) -> Any:
     return Dataset.from_list(rows)
 
 
-def run_grpo(cfg: RunnerConfig, store: ArtifactStore, callbacks: list[Any] | None = None) -> Manifest:
-    """load -> build -> run -> save: GRPO on the configured env; the checkpoint goes to the store."""
+def run_grpo(
+    cfg: RunnerConfig,
+    store: ArtifactStore,
+    callbacks: list[Any] | None = None,
+    env: HermesAgentBaseEnv | None = None,
+) -> Manifest:
+    """load -> build -> run -> save: GRPO on the configured env (or `env`, as configured by its
+    maker); the checkpoint goes to the store. The env gets the policy's tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
@@ -220,11 +226,21 @@ def run_grpo(cfg: RunnerConfig, store: ArtifactStore, callbacks: list[Any] | Non
     if cfg.profile == "cpu":
         torch.set_num_threads(cfg.num_threads)
     model_dir = resolve_model(cfg.policy_model, store)
-    env = load_env(
-        cfg.envs[0], tokenizer_name=str(model_dir), difficulty=cfg.difficulty, categories=cfg.categories, seed=cfg.seed
-    )
-    run = RunDir(cfg.logs_root, cfg.output_name)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    if env is None:
+        env = load_env(
+            cfg.envs[0],
+            tokenizer_name=str(model_dir),
+            difficulty=cfg.difficulty,
+            categories=cfg.categories,
+            seed=cfg.seed,
+        )
+    else:
+        asyncio.run(env.setup())
+    if not hasattr(env, "stream"):
+        raise ConfigError(f"GRPO needs an env with a task stream (a TaskEnv); {type(env).__name__} has none")
+    env.config.tokenizer_name, env.tokenizer = str(model_dir), tokenizer
+    run = RunDir(cfg.logs_root, cfg.output_name)
     tools_class = tool_env_class(env)
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),

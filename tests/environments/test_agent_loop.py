@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from environments.agent_loop import HermesAgentLoop
-from environments.base import BaseEnvironment
 from environments.errors import InfraError
 from environments.policies import ScriptedPolicy, call, final
 from environments.tool_call_parsers import get_parser
@@ -173,24 +172,3 @@ def test_seed_style_constructor_sets_the_runner_knobs(tiny_model: Path) -> None:
     assert (env.config.total_steps, env.config.difficulty, env.config.max_agent_turns) == (100, "medium", 20)
     with pytest.raises(ValueError, match="tool_call_parser"):
         ToolUseChainEnv(tool_call_parser="bogus", tokenizer_name=str(tiny_model))
-
-
-def test_gym_view_reset_step_score(tiny_model: Path) -> None:
-    env = BaseEnvironment.make(ToolUseChainEnv, tokenizer_name=str(tiny_model), difficulty="easy")
-    try:
-        state = env.reset(3)
-        assert state.observation == state.item["prompt"] and state.turn == 0
-        for action in state.item["oracle"][:-1]:
-            step = env.step(action)
-            assert step.reward == 0.0 and not step.done
-        next_state, reward, done, info = env.step("All done, the file is written.")
-        assert done and reward == 1.0 and info["finished_naturally"]
-        assert env.score(next_state.messages) == 1.0
-        env.reset(3)  # A fresh sandbox: the earlier work is gone.
-        assert env.step("I did it.").reward == 0.0
-        text_action = '<tool_call>{"name": "list_files", "arguments": {}}</tool_call>'
-        env.reset(4)
-        assert "Error" not in env.step(text_action).next_state.observation
-    finally:
-        env.close()
-    assert live_task_ids() == []

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +21,7 @@ from environments.policies import ScriptedPolicy
 from environments.tool_context import live_task_ids, release
 from environments.tool_use_chain import ToolUseChainEnv
 from environments.tools import TOOLSETS
+from tests.environments.conftest import completion
 
 UNTERMINATED = '<tool_call>{"name": "write_file", "arguments": {"path": "a.txt", "content": "oops}'
 PARSE_ERROR = 'json parser could not parse region as JSON.\nContent: \'{"name": "write_file"...\''
@@ -49,49 +47,22 @@ class _Model:
             if text.startswith("<tool_call>"):  # The server's own tool parser raises on it.
                 return (500, "Internal Server Error") if self.mode == "transformers" else (500, {"error": PARSE_ERROR})
             message = {"role": "assistant", "content": text}
-            return 200, _completion("chat.completion", {"index": 0, "message": message, "finish_reason": "stop"})
+            return 200, completion("chat.completion", {"index": 0, "message": message, "finish_reason": "stop"})
         if path.endswith("/completions") and self.mode == "transformers":
             text = self.reply(body["prompt"].count("<|im_start|>assistant") - 1)
-            return 200, _completion("text_completion", {"index": 0, "text": text, "finish_reason": "stop"})
+            return 200, completion("text_completion", {"index": 0, "text": text, "finish_reason": "stop"})
         return 404, {"error": "not found"}
 
 
-def _completion(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
-    usage = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
-    return {"id": "x", "object": kind, "created": 0, "model": "fake", "choices": [choice], "usage": usage}
-
-
 @pytest.fixture
-def serve() -> Iterator[Any]:
+def serve(fake_openai: Any) -> Any:
     """`serve(mode)` -> (base_url, model); servers stop after the test."""
-    servers: list[ThreadingHTTPServer] = []
 
     def start(mode: str) -> tuple[str, _Model]:
         model = _Model(mode)
+        return fake_openai(model.handle), model
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                status, payload = model.handle(self.path, body)
-                data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "text/plain" if isinstance(payload, str) else "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}/v1", model
-
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+    return start
 
 
 class _Client:
@@ -206,7 +177,8 @@ def test_a_group_keeps_its_scored_rollout_and_only_training_counts_infra_failure
         return group, metrics
 
     group, metrics = asyncio.run(scenario())
-    assert group["scores"] == [1.0] and len(group["tokens"]) == 1
+    assert group["meta"]["completed"] == [True] and len(group["tokens"]) == 1
+    assert group["scores"] == [1.0 - 0.01 * group["meta"]["turns_used"][0]]  # tool_use_chain's efficiency term.
     assert group["group_overrides"] == {"group_size": 1} and group["meta"]["infra_failures"] == 1
     assert metrics["eval/infra_failures"] == 1 and metrics["eval/infra_failure_rate"] == 0.5
     assert live_task_ids() == []

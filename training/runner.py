@@ -1,0 +1,93 @@
+"""`AtroposRunner`: seed 000's Step 2-3 program, on this project's trainers.
+
+    from environments.tool_use_chain import ToolUseChainEnv
+    from training import AtroposRunner
+
+    env = ToolUseChainEnv(num_tasks=100, difficulty="medium", max_steps=20)
+    runner = AtroposRunner(env=env, policy_model="smollm2", algorithm="grpo", batch_size=8,
+                           learning_rate=1e-5, kl_beta=0.05, num_rollouts_per_task=4, total_steps=10)
+    runner.run()
+
+`env` may be an env instance (its own config is used: tasks, difficulty, turns), an env class,
+a registered name / `module:Class` / file path, or a list of those. The env is given the
+policy's tokenizer. A run writes `logs/run-<date>-<time>-<name>/` with `metrics.jsonl` (loss /
+reward / kl), `rollouts/` (sampled rollouts every `rollouts_every` steps) and `checkpoints/`, and
+puts the checkpoint in the artifact store with lineage. Every other keyword is a `RunnerConfig`
+field; an unknown one is an error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from data import ArtifactStore, Manifest
+from environments.base import BaseEnvironment
+from training.config import ConfigError, RunnerConfig
+
+
+class AtroposRunner:
+    """Train `policy_model` on `env` with `algorithm` (grpo | dpo; ppo names the alternatives)."""
+
+    def __init__(
+        self,
+        env: Any,
+        policy_model: str,
+        ref_model: str | None = None,
+        algorithm: str = "grpo",
+        batch_size: int = 4,
+        learning_rate: float = 1e-5,
+        kl_beta: float = 0.04,
+        num_rollouts_per_task: int = 4,
+        total_steps: int = 10,
+        store: ArtifactStore | str | None = None,
+        **config: Any,
+    ) -> None:
+        envs = env if isinstance(env, list | tuple) else [env]
+        self.env_instances = [e for e in envs if isinstance(e, BaseEnvironment)]
+        names = [_env_spec(e) for e in envs]
+        if self.env_instances and "num_tasks" not in config:  # `Env(num_tasks=100)`: train on those tasks.
+            config["num_tasks"] = getattr(self.env_instances[0].config, "total_steps", None) or 64
+        if ref_model == policy_model:
+            ref_model = None  # GRPO's reference is the initial policy: the same model, said twice.
+        try:
+            self.config = RunnerConfig(
+                envs=names,
+                policy_model=policy_model,
+                ref_model=ref_model,
+                algorithm=algorithm,
+                batch_size=batch_size,
+                learning_rate=learning_rate,
+                kl_beta=kl_beta,
+                num_rollouts_per_task=num_rollouts_per_task,
+                total_steps=total_steps,
+                **config,
+            )
+        except ValueError as err:  # pydantic's ValidationError: unknown fields and bad values, all listed.
+            raise ConfigError(f"AtroposRunner: {err}") from err
+        self.store = store if isinstance(store, ArtifactStore) else ArtifactStore(store)
+
+    def run(self) -> Manifest:
+        """Train; returns the checkpoint's manifest (the run folder is stored beside it)."""
+        if self.config.algorithm == "grpo":
+            from training.grpo import run_grpo
+
+            return run_grpo(self.config, self.store, env=self.env_instances[0] if self.env_instances else None)
+        from training.dpo import run_training
+
+        return run_training(self.config, self.store)
+
+
+def _env_spec(env: Any) -> str:
+    """The registry spec of an env given as an instance, a class or a spec string."""
+    if isinstance(env, str):
+        return env
+    cls = env if isinstance(env, type) else type(env)
+    if not (isinstance(cls, type) and issubclass(cls, BaseEnvironment)):
+        raise ConfigError(f"AtroposRunner: env must be an environment, its class or its name, not {env!r:.80}")
+    from environments.registry import ENVIRONMENTS
+
+    target = getattr(cls, "environment_cls", cls)  # An adapted step env: name the user's class.
+    for name, location in ENVIRONMENTS.items():
+        if location == f"{target.__module__}:{target.__qualname__}":
+            return name
+    return f"{target.__module__}:{target.__qualname__}"
