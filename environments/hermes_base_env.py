@@ -216,6 +216,12 @@ class HermesAgentBaseEnv(BaseEnv, AgentEpisodes):
                     made.add(name)
         return sum(1 for k in self.key_decisions if k in made) / len(self.key_decisions)
 
+    async def completed(self, item: Item, result: AgentResult, ctx: ToolContext) -> bool:
+        """`result.task_completed`, verifying first when nobody has (a `compute_reward` called directly)."""
+        if result.task_completed is None:
+            result.task_completed = await self.verify(item, result, ctx)
+        return bool(result.task_completed)
+
     async def score_rollout(self, item: Item, result: AgentResult, ctx: ToolContext) -> float:
         """`verify`, key decisions, then `compute_reward`; a reward outside `reward_range` is logged and counted."""
         result.task_completed = await self.verify(item, result, ctx)

@@ -43,7 +43,7 @@ class TaskEnv(HermesAgentBaseEnv):
 
     async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: Any) -> float:
         """1.0 when the verifier passed the task, else 0.0."""
-        return binary_reward(bool(result.task_completed))
+        return binary_reward(await self.completed(item, result, ctx))
 
     def format_prompt(self, item: dict[str, Any]) -> str:
         return item["prompt"]

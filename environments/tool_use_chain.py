@@ -40,7 +40,7 @@ class ToolUseChainEnv(TaskEnv):
 
     async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
         """Seed 000's template: done = 1, less 0.01 per model call (fewer steps, more reward)."""
-        if not result.task_completed:
+        if not await self.completed(item, result, ctx):
             return 0.0
         return round(1.0 - 0.01 * result.num_steps, 6)
 

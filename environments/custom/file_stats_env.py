@@ -61,7 +61,7 @@ class FileStatsEnv(TaskEnv):
 
         The judge only adds to a verified task, so talking well can never stand in for the work.
         """
-        if not result.task_completed:
+        if not await self.completed(item, result, ctx):
             return 0.0
         reply = final_answer(result.messages)
         return 0.8 + 0.2 * await self._llm_judge(item, reply) if reply else 0.8
