@@ -31,11 +31,11 @@ class _Judge:
         return SimpleNamespace(choices=[SimpleNamespace(message=message)])
 
 
-def test_llm_judge_scales_the_grade_and_falls_back_to_keywords() -> None:
-    judge = rewards.llm_judge
-    assert asyncio.run(judge(_Judge("7"), "q", "Paris", "Paris")) == 0.7
-    assert asyncio.run(judge(_Judge("no idea"), "q", "Paris, France", "capital Paris")) == 0.5
-    assert asyncio.run(judge(_Judge(None), "q", "capital is Paris", "capital Paris")) == 1.0
+def test_the_judge_reads_a_json_verdict_and_falls_back_to_keywords() -> None:
+    judge = rewards.judge_verdict
+    assert asyncio.run(judge(_Judge('{"score": 7, "reason": "ok"}'), "q", "Paris", "Paris")) == 0.7
+    assert asyncio.run(judge(_Judge("7"), "q", "Paris, France", "capital Paris")) == 0.5  # No JSON: keywords.
+    assert asyncio.run(judge(_Judge(None), "q", "capital is Paris", "capital Paris")) == 1.0  # Judge down.
 
 
 def _git(repo: Path, *args: str) -> str:

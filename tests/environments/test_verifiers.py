@@ -25,22 +25,23 @@ Actions = Callable[[dict[str, Any]], list[dict[str, Any]]]
 ENVS = [ToolUseChainEnv, WebNavigationEnv, SWEBenchEnv, LongHorizonEnv, FileStatsEnv]
 
 
-def _rewards(
+def _outcomes(
     env_cls: type[HermesAgentBaseEnv], tiny_model: Path, items: int | list[int], policy: Actions | None
-) -> list[float]:
+) -> list[tuple[float, bool | None]]:
+    """Each item's (reward, task_completed) under the oracle or `policy`."""
     env = env_cls(tokenizer_name=str(tiny_model), teacher="oracle")
     if policy is not None:
         env.oracle_policy = lambda item: ScriptedPolicy(policy(item))  # type: ignore[method-assign]
 
-    async def run() -> list[float]:
+    async def run() -> list[tuple[float, bool | None]]:
         await env.setup()
         semaphore = asyncio.Semaphore(4)
 
-        async def one(index: int) -> float:
+        async def one(index: int) -> tuple[float, bool | None]:
             async with semaphore:
                 result, reward = await env.run_agent(env.stream.item(index), 0.0)
             assert reward is not None, result.infra_error
-            return reward
+            return reward, result.task_completed
 
         try:
             indices = range(items) if isinstance(items, int) else items
@@ -48,9 +49,15 @@ def _rewards(
         finally:
             await env.teardown()
 
-    rewards = asyncio.run(run())
+    outcomes = asyncio.run(run())
     assert live_task_ids() == []  # Every sandbox was cleaned up.
-    return rewards
+    return outcomes
+
+
+def _rewards(
+    env_cls: type[HermesAgentBaseEnv], tiny_model: Path, items: int | list[int], policy: Actions | None
+) -> list[float]:
+    return [reward for reward, _ in _outcomes(env_cls, tiny_model, items, policy)]
 
 
 def _stratified(env_cls: type[HermesAgentBaseEnv], tiny_model: Path, per_slice: int) -> list[int]:
@@ -74,17 +81,17 @@ def test_oracle_solves_every_slice(env_cls: type[HermesAgentBaseEnv], tiny_model
     """A stratified sample: two tasks of every category x difficulty."""
     indices = _stratified(env_cls, tiny_model, per_slice=2)
     assert len(indices) >= 2 * len(env_cls.categories)
-    rewards = _rewards(env_cls, tiny_model, indices, None)
-    assert all(r == 1.0 for r in rewards), (
-        f"oracle failed {[i for i, r in zip(indices, rewards, strict=True) if r != 1.0]}"
+    outcomes = _outcomes(env_cls, tiny_model, indices, None)
+    assert all(done and reward > 0 for reward, done in outcomes), (
+        f"oracle failed {[i for i, (_, done) in zip(indices, outcomes, strict=True) if not done]}"
     )
 
 
 @pytest.mark.sweep
 @pytest.mark.parametrize("env_cls", ENVS, ids=lambda c: c.name)
 def test_oracle_solves_generated_tasks(env_cls: type[HermesAgentBaseEnv], tiny_model: Path) -> None:
-    rewards = _rewards(env_cls, tiny_model, 200, None)
-    assert sum(r == 1.0 for r in rewards) >= 198, f"oracle solved {sum(r == 1.0 for r in rewards)}/200"
+    solved = sum(bool(done) for _, done in _outcomes(env_cls, tiny_model, 200, None))
+    assert solved >= 198, f"oracle solved {solved}/200"
 
 
 def _output_file(item: dict[str, Any]) -> str:
