@@ -93,8 +93,17 @@ class StepEnvAdapter(HermesAgentBaseEnv):
     def reward_range(self) -> tuple[float, float]:  # type: ignore[override]
         return self.environment_cls.reward_range
 
+    _given: BaseEnvironment | None = None
+
+    @classmethod
+    def around(cls, environment: BaseEnvironment, **config: Any) -> StepEnvAdapter:
+        """An adapter for an env the user already built (each rollout runs on a copy of it)."""
+        adapter = adapter_class(type(environment))(**config)
+        adapter._given = environment
+        return adapter
+
     async def setup(self) -> None:
-        self.prototype = self.environment_cls(**self.config.env_kwargs)
+        self.prototype = self._given or self.environment_cls(**self.config.env_kwargs)
         size = self.config.num_tasks or _size(self.prototype)
         if size is None:
             logger.warning("%s has no size (len(env) or env.tasks): evaluation reuses tasks it picks", self.name)

@@ -49,7 +49,7 @@ class RunnerConfig(BaseModel):
     difficulty: str | None = Field(default=None, description="Only tasks of this difficulty.")
     categories: list[str] | None = Field(default=None, description="Only tasks of these categories.")
     max_completion_length: int = Field(default=256, ge=8, description="Tokens per completion, tool output included.")
-    max_tool_calls: int = Field(default=8, ge=0, description="Tool-calling iterations per rollout.")
+    max_tool_calls: int = Field(default=8, ge=0, description="Tool-calling turns per rollout (env turns: this + 1).")
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature.")
     top_k: int = Field(default=10, ge=0, description="Top-k sampling (0: off); small models need it.")
     # -- data (DPO)
@@ -79,8 +79,6 @@ class RunnerConfig(BaseModel):
             problems.append(
                 f"unknown envs {unknown}; known: {', '.join(ENVIRONMENTS)} (or module:Class, or a .py file)"
             )
-        if self.algorithm == "grpo" and len(self.envs) > 1:
-            problems.append(f"GRPO trains on one env per run; got {len(self.envs)} ({', '.join(self.envs)})")
         if self.algorithm == "grpo" and self.ref_model not in (None, self.policy_model):
             problems.append("GRPO's KL reference is the initial policy: leave ref_model empty or equal to policy_model")
         if self.algorithm == "dpo" and not self.dataset:

@@ -1,8 +1,9 @@
-"""GRPO with TRL on the flywheel environments: multi-turn tool use through `environment_factory`.
+"""GRPO with TRL on the flywheel environments, rolled out by each env's own agent loop.
 
-Each rollout gets a `SandboxToolEnv` (TRL's environment contract): `reset(task_index=...)`
-builds the task's sandbox, its public methods are the tools the model calls, and the env's own
-verifier scores the final state. KL to the initial policy (`beta`), per-group reward scaling,
+`training.rollouts` runs every rollout through the env's `run_agent` (the loop, tools, sandbox,
+parser and verifier that `process` mode and evaluation use), so the policy is trained on exactly
+the loop it is judged by; any env runs, a user's step env included, and several envs can share
+a run (their tasks interleave). KL to the initial policy (`beta`), per-group reward scaling,
 a NaN/inf guard, and a warning when every group of a step had identical rewards (all-0 or all-1:
 no learning signal).
 """
@@ -10,24 +11,20 @@ no learning signal).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
 import sys
 import time
-import uuid
-from typing import Any, ClassVar
+from typing import Any
 
 from transformers import TrainerCallback
 
 from data import ArtifactStore, Manifest
-from environments.agent_loop import AgentResult
-from environments.hermes_base_env import HermesAgentBaseEnv, _prepare_workspace
+from environments.hermes_base_env import HermesAgentBaseEnv
 from environments.registry import env_class
-from environments.tool_context import ToolContext
-from environments.tools import Tool, resolve_toolsets
-from training.config import ConfigError, RunnerConfig
+from training.config import RunnerConfig
 from training.models import resolve_model
+from training.rollouts import Task, agent_rollout_func, prompt_key
 from training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
 
 logger = logging.getLogger(__name__)
@@ -45,99 +42,17 @@ GRPO_VLLM_SERVER_ARGS = [
 GRPO_VLLM_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
 
-def load_env(name: str, **config: Any) -> HermesAgentBaseEnv:
-    """An environment by registry name, set up (its task stream ready)."""
-    env = env_class(name)(**config)
-    asyncio.run(env.setup())
-    return env
-
-
-class SandboxToolEnv:
-    """One rollout's sandbox for TRL's tool loop; public methods are the agent's tools.
-
-    Use `tool_env_class(env)`: it adds one method per tool the env gives its agent (its toolsets
-    and its own, such as the web env's browser), with the tool's own signature and docstring,
-    which is where TRL reads the schema the model sees.
-    """
-
-    tools: ClassVar[dict[str, Tool]] = {}
-
-    def __init__(self, env: HermesAgentBaseEnv) -> None:
-        self._env = env
-        self._ctx: ToolContext | None = None
-        self._item: dict[str, Any] | None = None
-        self._calls = 0
-
-    def reset(self, task_index: int = 0, **_: Any) -> None:
-        """Start task `task_index` in a fresh sandbox (the prompt already holds the instructions)."""
-        self._release()
-        self._item = self._env.stream.item(int(task_index))
-        self._ctx = ToolContext(f"grpo-{self._item['item_id']}-{uuid.uuid4().hex[:8]}")
-        _prepare_workspace(self._ctx, self._item)
-        self._calls = 0
-
-    def _verify(self, completion: Any) -> float:
-        """The env's verifier on this rollout's sandbox, then the sandbox is released."""
-        if self._item is None or self._ctx is None:
-            return 0.0
-        messages = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
-        result = AgentResult(messages=messages, turns_used=self._calls + 1)
-        try:
-            reward = asyncio.run(self._env.compute_reward(self._item, result, self._ctx))
-        finally:
-            self._release()
-        return float(min(1.0, max(0.0, reward)))
-
-    def _tool(self, name: str, **arguments: Any) -> str:
-        self._calls += 1
-        if self._ctx is None:
-            return "Error: no task is active"
-        try:
-            return self.tools[name](self._ctx, arguments)
-        except Exception as err:  # A tool failure is the model's to see, never a crashed step.
-            return f"Error: {err}"
-
-    def _release(self) -> None:
-        if self._ctx is not None:
-            self._ctx.cleanup()
-            self._ctx = None
-
-
-def tool_env_class(env: HermesAgentBaseEnv) -> type[SandboxToolEnv]:
-    """A `SandboxToolEnv` whose methods are exactly the tools `env` gives its agent."""
-    tools = {t.name: t for t in resolve_toolsets(env.config.enabled_toolsets) + env.extra_tools()}
-    methods = {name: _tool_method(t) for name, t in tools.items()}
-    return type(f"{type(env).__name__}Tools", (SandboxToolEnv,), {"tools": tools, **methods})
-
-
-def _tool_method(tool: Tool) -> Any:
-    """`tool.fn(ctx, **args)` as a method `(self, **args)`: same parameters, annotations and docstring."""
-    parameters = list(inspect.signature(tool.fn).parameters.values())[1:]  # Drop the ToolContext.
-
-    def method(self: SandboxToolEnv, *args: Any, **kwargs: Any) -> str:
-        bound = inspect.Signature(parameters).bind(*args, **kwargs)
-        return self._tool(tool.name, **bound.arguments)
-
-    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    method.__name__ = method.__qualname__ = tool.name
-    method.__doc__ = tool.fn.__doc__
-    method.__signature__ = inspect.Signature([self_param, *parameters], return_annotation=str)
-    method.__annotations__ = {p.name: p.annotation for p in parameters} | {"return": "str"}
-    return method
-
-
 def env_reward(run: RunDir, every: int) -> Any:
-    """TRL reward function: each rollout's env verifier; samples are saved every `every` steps."""
+    """TRL reward function: the env's own reward of each rollout; samples are saved every `every` steps."""
 
-    def flywheel_env_reward(prompts, completions, environments, trainer_state, **_: Any) -> list[float]:  # type: ignore[no-untyped-def]
-        rewards = [env._verify(completion) for env, completion in zip(environments, completions, strict=True)]
+    def flywheel_env_reward(prompts, completions, env_reward, trainer_state, **extra: Any) -> list[float | None]:  # type: ignore[no-untyped-def]
         if trainer_state.global_step % every == 0:
             samples = [
-                {"prompt": p, "completion": c, "reward": r}
-                for p, c, r in zip(prompts, completions, rewards, strict=True)
+                {"prompt": p, "completion": c, "reward": r, "task_completed": done}
+                for p, c, r, done in zip(prompts, completions, env_reward, extra["task_completed"], strict=True)
             ]
             run.log_rollouts(trainer_state.global_step, samples)
-        return rewards
+        return list(env_reward)
 
     return flywheel_env_reward
 
@@ -180,7 +95,6 @@ def grpo_kwargs(cfg: RunnerConfig, output_dir: str) -> dict[str, Any]:
         "scale_rewards": "group",
         "temperature": cfg.temperature,
         "top_k": cfg.top_k,
-        "max_tool_calling_iterations": cfg.max_tool_calls,
         "seed": cfg.seed,
         "logging_steps": 1,
         "logging_nan_inf_filter": False,
@@ -199,25 +113,28 @@ def grpo_kwargs(cfg: RunnerConfig, output_dir: str) -> dict[str, Any]:
     return args
 
 
-def task_dataset(env: HermesAgentBaseEnv, num_tasks: int) -> Any:
-    """GRPO prompts: the env's system + user messages for tasks 0..n-1, with their index for reset()."""
+def task_dataset(envs: list[HermesAgentBaseEnv], num_tasks: int) -> tuple[Any, dict[str, Task]]:
+    """`num_tasks` training prompts, the envs' tasks interleaved, and the task each prompt names."""
     from datasets import Dataset
 
-    rows = []
+    rows, tasks = [], {}
     for index in range(num_tasks):
-        item = env.stream.item(index)
-        rows.append({"prompt": env.build_messages(item, []), "task_index": index})
-    return Dataset.from_list(rows)
+        env = envs[index % len(envs)]
+        item = asyncio.run(env.get_next_item())
+        prompt = [{"role": "user", "content": f"[{env.name} {item['item_id']}] {env.format_prompt(item)}"}]
+        rows.append({"prompt": prompt, "env": env.name, "item_id": item["item_id"]})
+        tasks[prompt_key(prompt)] = Task(env, item)
+    return Dataset.from_list(rows), tasks
 
 
 def run_grpo(
     cfg: RunnerConfig,
     store: ArtifactStore,
     callbacks: list[Any] | None = None,
-    env: HermesAgentBaseEnv | None = None,
+    envs: list[HermesAgentBaseEnv | str] | None = None,
 ) -> Manifest:
-    """load -> build -> run -> save: GRPO on the configured env (or `env`, as configured by its
-    maker); the checkpoint goes to the store. The env gets the policy's tokenizer."""
+    """load -> build -> run -> save: GRPO on the configured envs (`envs`: names, or instances as their
+    makers configured them); the checkpoint goes to the store. The envs get the policy's tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
@@ -227,28 +144,24 @@ def run_grpo(
         torch.set_num_threads(cfg.num_threads)
     model_dir = resolve_model(cfg.policy_model, store)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    if env is None:
-        env = load_env(
-            cfg.envs[0],
-            tokenizer_name=str(model_dir),
-            difficulty=cfg.difficulty,
-            categories=cfg.categories,
-            seed=cfg.seed,
-        )
-    else:
-        asyncio.run(env.setup())
-    if not hasattr(env, "stream"):
-        raise ConfigError(f"GRPO needs an env with a task stream (a TaskEnv); {type(env).__name__} has none")
-    env.config.tokenizer_name, env.tokenizer = str(model_dir), tokenizer
+    overrides = {"difficulty": cfg.difficulty, "categories": cfg.categories, "seed": cfg.seed}
+    envs = [
+        env_class(env)(tokenizer_name=str(model_dir), **overrides) if isinstance(env, str) else env
+        for env in (envs or cfg.envs)
+    ]
+    for one in envs:
+        asyncio.run(one.setup())
+        one.config.tokenizer_name, one.tokenizer = str(model_dir), tokenizer  # The policy's own tokenizer.
+        one.config.max_agent_turns = min(one.config.max_agent_turns, cfg.max_tool_calls + 1)
     run = RunDir(cfg.logs_root, cfg.output_name)
-    tools_class = tool_env_class(env)
+    dataset, tasks = task_dataset(envs, cfg.num_tasks)
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
         reward_funcs=[env_reward(run, cfg.rollouts_every)],
         args=grpo_args(cfg, str(run.checkpoints)),
-        train_dataset=task_dataset(env, cfg.num_tasks),
+        train_dataset=dataset,
         processing_class=tokenizer,
-        environment_factory=lambda: tools_class(env),
+        rollout_func=agent_rollout_func(tasks, cfg.temperature, cfg.max_completion_length),
         callbacks=[MetricsCallback(run), NonFiniteGuard(), RewardDistributionWarning(), *(callbacks or [])],
     )
     trainer.train()

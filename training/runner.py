@@ -21,7 +21,9 @@ from __future__ import annotations
 from typing import Any
 
 from data import ArtifactStore, Manifest
+from environments.adapter import StepEnvAdapter
 from environments.base import BaseEnvironment
+from environments.hermes_base_env import HermesAgentBaseEnv
 from training.config import ConfigError, RunnerConfig
 
 
@@ -42,11 +44,15 @@ class AtroposRunner:
         store: ArtifactStore | str | None = None,
         **config: Any,
     ) -> None:
-        envs = env if isinstance(env, list | tuple) else [env]
-        self.env_instances = [e for e in envs if isinstance(e, BaseEnvironment)]
-        names = [_env_spec(e) for e in envs]
-        if self.env_instances and "num_tasks" not in config:  # `Env(num_tasks=100)`: train on those tasks.
-            config["num_tasks"] = getattr(self.env_instances[0].config, "total_steps", None) or 64
+        given = list(env) if isinstance(env, list | tuple) else [env]
+        names = [_env_spec(e) for e in given]
+        self.envs: list[Any] = [
+            _agent_env(e) if isinstance(e, BaseEnvironment) else n for e, n in zip(given, names, strict=True)
+        ]
+        self.env_instances = [e for e in self.envs if not isinstance(e, str)]
+        built_in = [e for e in self.env_instances if not isinstance(e, StepEnvAdapter)]
+        if built_in and "num_tasks" not in config:  # `Env(num_tasks=100)` (its total_steps): train on those tasks.
+            config["num_tasks"] = built_in[0].config.total_steps
         if ref_model == policy_model:
             ref_model = None  # GRPO's reference is the initial policy: the same model, said twice.
         try:
@@ -71,10 +77,15 @@ class AtroposRunner:
         if self.config.algorithm == "grpo":
             from training.grpo import run_grpo
 
-            return run_grpo(self.config, self.store, env=self.env_instances[0] if self.env_instances else None)
+            return run_grpo(self.config, self.store, envs=self.envs)
         from training.dpo import run_training
 
         return run_training(self.config, self.store)
+
+
+def _agent_env(env: BaseEnvironment) -> Any:
+    """An env instance as an agent env: built-in envs are one; a user's step env is adapted."""
+    return env if isinstance(env, HermesAgentBaseEnv) else StepEnvAdapter.around(env)
 
 
 def _env_spec(env: Any) -> str:

@@ -68,5 +68,5 @@ def test_the_seeds_training_program_runs_and_writes_the_run_folder(
 def test_an_unknown_runner_knob_is_an_error_not_dropped() -> None:
     with pytest.raises(ConfigError, match="bogus_knob"):
         AtroposRunner(env="tool_use_chain", policy_model="tiny", bogus_knob=3)
-    with pytest.raises(ConfigError, match="one env per run"):
-        AtroposRunner(env=["tool_use_chain", "web_navigation"], policy_model="tiny")
+    with pytest.raises(ConfigError, match="unknown envs"):
+        AtroposRunner(env=["tool_use_chain", "no_such_env"], policy_model="tiny")

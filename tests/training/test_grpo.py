@@ -5,21 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from data import ArtifactStore
+from environments.registry import env_class
+from environments.tool_context import live_task_ids
 from training.config import ConfigError, RunnerConfig, load_config
-from training.grpo import (
-    RewardDistributionWarning,
-    env_reward,
-    grpo_args,
-    load_env,
-    task_dataset,
-    tool_env_class,
-)
+from training.grpo import RewardDistributionWarning, env_reward, grpo_args, task_dataset
+from training.rollouts import agent_rollout_func
 from training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
 
 os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
@@ -83,18 +80,16 @@ def test_grpo_improves_a_toy_reward(tiny_model: Path, tmp_path: Path) -> None:
     assert any(m.get("kl", 0) > 0 for m in run.read_metrics())  # beta > 0: the KL term is live.
 
 
-def _script_generation(model, tokenizer) -> None:  # type: ignore[no-untyped-def]
-    """Make `generate` call list_files first and answer once a tool response is in the context.
+def _script_generation(model, tokenizer, reply) -> None:  # type: ignore[no-untyped-def]
+    """Make `generate` write `reply(conversation so far)` for each row.
 
     The tiny random model cannot write a valid tool call; scripting only its sampling keeps the rest
-    real (TRL's tool loop, our env's tools and verifier, log-probs from the model's forward pass).
+    real (the env's own agent loop, tools, sandbox and verifier; log-probs from the model's forward pass).
     """
-    call = '<tool_call>\n{"name": "list_files", "arguments": {"path": "."}}\n</tool_call><|im_end|>'
-    call_ids = tokenizer.encode(call, add_special_tokens=False)
-    done_ids = tokenizer.encode("Done.<|im_end|>", add_special_tokens=False)
 
     def generate(input_ids, attention_mask=None, **_):  # type: ignore[no-untyped-def]
-        tails = [done_ids if "<tool_response>" in tokenizer.decode(row) else call_ids for row in input_ids]
+        tails = [tokenizer.encode(reply(tokenizer.decode(row)) + "<|im_end|>", add_special_tokens=False)
+                 for row in input_ids]  # fmt: skip
         width = max(len(t) for t in tails)
         padded = [t + [tokenizer.pad_token_id] * (width - len(t)) for t in tails]
         return torch.cat([input_ids, torch.tensor(padded, dtype=input_ids.dtype)], dim=1)
@@ -102,52 +97,65 @@ def _script_generation(model, tokenizer) -> None:  # type: ignore[no-untyped-def
     model.generate = generate
 
 
-def test_one_grpo_step_runs_the_env_tool_loop(tiny_model: Path, tmp_path: Path) -> None:
+def _list_then_finish(conversation: str) -> str:
+    if "<tool_response>" in conversation:
+        return "Done."
+    return '<tool_call>\n{"name": "list_files", "arguments": {"path": "."}}\n</tool_call>'
+
+
+def _train_one_step(envs: list, tiny_model: Path, tmp_path: Path, reply) -> RunDir:  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
 
-    env = load_env("tool_use_chain", tokenizer_name=str(tiny_model), difficulty="easy")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    _script_generation(model, tokenizer)
-    calls: list[str] = []
-
-    class Spy(tool_env_class(env)):
-        def list_files(self, path: str = ".") -> str:
-            """List the files under a folder of the workspace, recursively.
-
-            Args:
-                path: Folder relative to the workspace.
-            """
-            calls.append(path)
-            return super().list_files(path)
-
-    cfg = RunnerConfig(
-        total_steps=1,
-        batch_size=2,
-        num_rollouts_per_task=2,
-        max_completion_length=96,
-        max_tool_calls=2,
-        temperature=0.7,
-    )
+    _script_generation(model, tokenizer, reply)
+    for env in envs:
+        asyncio.run(env.setup())
+        env.tokenizer = tokenizer
+    cfg = RunnerConfig(total_steps=1, batch_size=2, num_rollouts_per_task=2, max_completion_length=160, temperature=0.7)
     run = RunDir(tmp_path, "env")
+    dataset, tasks = task_dataset(envs, 4)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[env_reward(run, every=1)],
         args=grpo_args(cfg, str(run.checkpoints)),
-        train_dataset=task_dataset(env, 4),
+        train_dataset=dataset,
         processing_class=tokenizer,
-        environment_factory=lambda: Spy(env),
+        rollout_func=agent_rollout_func(tasks, cfg.temperature, cfg.max_completion_length),
         callbacks=[MetricsCallback(run), RewardDistributionWarning()],
     )
     trainer.train()
+    return run
+
+
+def test_grpo_rolls_out_through_the_envs_own_agent_loop(tiny_model: Path, tmp_path: Path) -> None:
+    env = env_class("tool_use_chain")(tokenizer_name=str(tiny_model), difficulty="easy")
+    run = _train_one_step([env], tiny_model, tmp_path, _list_then_finish)
     logged = next(m for m in run.read_metrics() if "reward" in m)
-    assert calls == [".", "."] and logged["tools/call_frequency"] > 0
-    assert logged["reward"] == 0.0  # Listing files alone does not solve the task: the verifier says so.
+    assert logged["reward"] == 0.0  # Listing files alone does not solve the task: the env's verifier says so.
     samples = [json.loads(line) for line in next(run.rollouts.glob("*.jsonl")).read_text().splitlines()]
-    assert len(samples) == 2
-    roles = [m["role"] for m in samples[0]["completion"]]
-    assert roles == ["assistant", "tool", "assistant"] and "src/" in samples[0]["completion"][1]["content"]
+    assert len(samples) == 2 and all(s["task_completed"] is False for s in samples)
+    assert "list_files" in samples[0]["completion"][0]["content"]
+    assert live_task_ids() == []  # Every rollout's sandbox was released.
+
+
+def _adder(conversation: str) -> str:
+    if "<tool_response>" in conversation:
+        return conversation.rsplit("<tool_response>", 1)[1].split("</tool_response>")[0].strip()
+    a, b = re.search(r"What is (\d+) \+ (\d+)", conversation).groups()
+    return f'<tool_call>\n{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+
+
+def test_grpo_trains_a_users_step_env_and_its_reward_reaches_the_trainer(tiny_model: Path, tmp_path: Path) -> None:
+    from environments.adapter import StepEnvAdapter
+    from tests.environments.seed_my_env import MyEnv, write_tasks
+
+    write_tasks(str(tmp_path / "tasks.jsonl"))
+    env = StepEnvAdapter.around(MyEnv(str(tmp_path / "tasks.jsonl")), tokenizer_name=str(tiny_model))
+    run = _train_one_step([env], tiny_model, tmp_path, _adder)
+    logged = next(m for m in run.read_metrics() if "reward" in m)
+    assert logged["reward"] == 1.0  # The step env's own verify, through the adapter, into GRPO.
 
 
 def test_run_grpo_stores_a_checkpoint_with_lineage(
@@ -189,27 +197,3 @@ def test_grpo_vllm_generation_server_command(tiny_model: Path) -> None:
                                   vllm_server_base_url="http://127.0.0.1:8000"), "/tmp/x")  # fmt: skip
     assert args["use_vllm"] and args["vllm_mode"] == "server" and args["bf16"] and "use_cpu" not in args
     assert args["vllm_server_base_url"] == "http://127.0.0.1:8000" and args["beta"] == 0.04
-
-
-def test_the_rollout_tools_are_the_envs_own_tools(tiny_model: Path) -> None:
-    """GRPO's tool env offers what the agent loop offers: the web env's browser, not the shell."""
-    from transformers.utils import get_json_schema
-
-    env = load_env("web_navigation", tokenizer_name=str(tiny_model), difficulty="easy", categories=["lookup_price"])
-    try:
-        tools = tool_env_class(env)(env)
-        assert {"open_url", "follow_link", "search", "submit_form"} <= set(dir(tools))
-        assert not hasattr(tools, "terminal") and not hasattr(tools, "write_file")
-        schema = get_json_schema(tools.open_url)["function"]  # What TRL shows the model.
-        assert schema["name"] == "open_url" and schema["parameters"]["required"] == ["url"]
-        assert "Absolute URL" in schema["parameters"]["properties"]["url"]["description"]
-        tools.reset(task_index=0)
-        item = env.stream.item(0)
-        home = tools.open_url(url=env.format_prompt(item).split("home page is ")[1].split()[0])
-        assert home.startswith("URL: http://127.0.0.1") and "search" in home
-        found = tools.search(query=item["answer"]["ids"][0])
-        assert "Error" not in found
-        assert tools.follow_link(text="no such link").startswith("Error: follow_link")
-        assert tools._verify([{"role": "assistant", "content": "no idea"}]) == 0.0
-    finally:
-        asyncio.run(env.close())
