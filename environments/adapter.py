@@ -103,6 +103,8 @@ class StepEnvAdapter(HermesAgentBaseEnv):
         return adapter
 
     async def setup(self) -> None:
+        if self.config.teacher == "oracle":
+            raise ValueError(f"{self.name} is a step env and has no oracle: generate with a model (teacher=server)")
         self.prototype = self._given or self.environment_cls(**self.config.env_kwargs)
         size = self.config.num_tasks or _size(self.prototype)
         if size is None:
@@ -113,6 +115,9 @@ class StepEnvAdapter(HermesAgentBaseEnv):
             held_out = min(self.config.eval_size, size // 5) if size >= 2 else 0
             self.train_ids = list(range(size - held_out)) or [0]
             self.eval_ids = list(range(size - held_out, size))
+        self.eval_items = [self._item(task_id, i) for i, task_id in enumerate(self.eval_ids)]
+        for item in self.eval_items:  # The held-out prompts, for decontamination and the eval set's record.
+            item["prompt"] = copy.deepcopy(self.prototype).reset(item["task_id"]).text
         self.index = 0
 
     async def get_next_item(self) -> dict[str, Any]:
@@ -121,7 +126,8 @@ class StepEnvAdapter(HermesAgentBaseEnv):
 
     def _item(self, task_id: Any, index: int) -> dict[str, Any]:
         key = task_id if task_id is not None else f"n{index}"
-        return {"item_id": f"{self.name}-{key}", "task_id": task_id, "env": self.name, "category": "all"}
+        return {"item_id": f"{self.name}-{key}", "task_id": task_id, "env": self.name, "category": "all",
+                "difficulty": "all"}  # fmt: skip
 
     def format_prompt(self, item: dict[str, Any]) -> str:
         return item.get("prompt", "")
@@ -170,7 +176,7 @@ class StepEnvAdapter(HermesAgentBaseEnv):
         return ctx.state["step_reward"] if ctx.state["done"] else 0.0
 
     async def evaluate(self, *args: Any, **kwargs: Any) -> None:
-        await self.run_agentic_eval([self._item(task_id, i) for i, task_id in enumerate(self.eval_ids)])
+        await self.run_agentic_eval(self.eval_items)
 
 
 def adapter_class(environment_cls: type[BaseEnvironment]) -> type[StepEnvAdapter]:
