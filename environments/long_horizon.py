@@ -12,8 +12,9 @@ from typing import Any
 
 from environments.agent_loop import AgentResult
 from environments.errors import AgentError
-from environments.hermes_base_env import HermesAgentEnvConfig, default_tokenizer
+from environments.hermes_base_env import HermesAgentEnvConfig
 from environments.rewards import efficiency
+from environments.servers import default_tokenizer
 from environments.task_env import TaskEnv
 from environments.tasks import long_horizon_tasks as tasks
 from environments.tool_context import ToolContext

@@ -19,9 +19,10 @@ from typing import Any
 from pydantic import Field
 
 from environments.agent_loop import AgentResult
-from environments.hermes_base_env import HermesAgentEnvConfig, default_tokenizer
+from environments.hermes_base_env import HermesAgentEnvConfig
 from environments.policies import call, final
 from environments.rewards import binary_reward
+from environments.servers import default_tokenizer
 from environments.task_env import TaskEnv
 from environments.tasks import swe_tasks as tasks
 from environments.tool_context import ToolContext

@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from environments.agent_loop import AgentResult
-from environments.hermes_base_env import HermesAgentEnvConfig, default_tokenizer
+from environments.hermes_base_env import HermesAgentEnvConfig
 from environments.rewards import binary_reward
+from environments.servers import default_tokenizer
 from environments.task_env import TaskEnv
 from environments.tasks import tool_use_chain_tasks as tasks
 from environments.tool_context import ToolContext

@@ -16,9 +16,10 @@ from typing import Any
 from pydantic import Field
 
 from environments.agent_loop import AgentResult
-from environments.hermes_base_env import HermesAgentEnvConfig, default_tokenizer
+from environments.hermes_base_env import HermesAgentEnvConfig
 from environments.policies import ScriptedPolicy
 from environments.rewards import binary_reward, final_answer
+from environments.servers import default_tokenizer
 from environments.task_env import TaskEnv
 from environments.tasks import web_tasks as tasks
 from environments.tool_context import ToolContext
