@@ -29,7 +29,7 @@ from pydantic import Field, field_validator
 from environments.agent_loop import DEFAULT_MAX_TOOL_CALLS_PER_REPLY, AgentResult, HermesAgentLoop, sanitize
 from environments.process_mode import write_groups
 from environments.sandbox import isolation_report
-from environments.servers import default_server_configs
+from environments.servers import build_server, default_server_configs
 from environments.servers import use_aiohttp_clients as _use_aiohttp_clients
 from environments.tool_call_parsers import PARSERS, get_parser
 from environments.tool_context import ToolContext
@@ -104,6 +104,7 @@ class HermesAgentBaseEnv(BaseEnv):
 
     name: str | None = None
     env_config_cls = HermesAgentEnvConfig
+    server_cls = staticmethod(build_server)  # Atroposlib's servers; a keyless one gets a placeholder key.
 
     def __init__(
         self,

@@ -1,4 +1,9 @@
-"""Inference servers of an env: their configs, the tokenizer default, and how their clients are built."""
+"""Inference servers of an env: their configs, the tokenizer default, and how their clients are built.
+
+vLLM and local servers need no API key, but the OpenAI SDK refuses to build a client without one;
+a missing key becomes `PLACEHOLDER_API_KEY` ("EMPTY", the value vLLM's docs use) when a server
+is built, so an env whose `config_init` leaves `api_key` unset still runs against a keyless server.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,26 @@ import os
 from typing import Any
 
 from atroposlib.envs.base import APIServerConfig
+from atroposlib.envs.server_handling.server_baseline import APIServer, ReasoningConfig
+from atroposlib.envs.server_handling.server_manager import OpenAIServer, SGLangServer, TrlVllmServer, VLLMServer
+
+PLACEHOLDER_API_KEY = "EMPTY"
+_SERVER_TYPES: dict[str, type[APIServer]] = {
+    "openai": OpenAIServer,
+    "trl": TrlVllmServer,
+    "sglang": SGLangServer,
+    "vllm": VLLMServer,
+}
+
+
+def build_server(config: APIServerConfig, reasoning_config: ReasoningConfig | None = None) -> APIServer:
+    """Atroposlib's server for `config.server_type`, a missing API key replaced by the placeholder.
+
+    Used as the env's `server_cls`: atroposlib calls it once per server config.
+    """
+    if not config.api_key:
+        config = config.model_copy(update={"api_key": PLACEHOLDER_API_KEY})
+    return _SERVER_TYPES[config.server_type](config, reasoning_config=reasoning_config)
 
 
 def use_aiohttp_clients(servers: list[Any]) -> None:
@@ -35,7 +60,7 @@ def default_server_configs() -> list[APIServerConfig]:
         APIServerConfig(
             model_name=os.environ.get("FLYWHEEL_MODEL_NAME", "smollm2"),
             base_url=os.environ.get("FLYWHEEL_BASE_URL", "http://127.0.0.1:8000/v1"),
-            api_key=os.environ.get("FLYWHEEL_API_KEY", "local"),
+            api_key=os.environ.get("FLYWHEEL_API_KEY", PLACEHOLDER_API_KEY),
             server_type="openai",
             health_check=False,
             timeout=600,
@@ -44,8 +69,16 @@ def default_server_configs() -> list[APIServerConfig]:
 
 
 def server_configs(base_url: str, model_name: str, api_key_env: str | None = None) -> list[APIServerConfig]:
-    """Atropos server configs for an OpenAI-compatible endpoint; the key is read from `api_key_env`."""
-    api_key = os.environ.get(api_key_env, "") if api_key_env else "local"
+    """Atropos server configs for an OpenAI-compatible endpoint; the key is read from `api_key_env`.
+
+    Without `api_key_env` the server is taken to be keyless (vLLM, a local server); a variable that
+    is named but unset is an error that names it.
+    """
+    api_key = PLACEHOLDER_API_KEY
+    if api_key_env:
+        api_key = os.environ.get(api_key_env, "")
+        if not api_key:
+            raise ValueError(f"environment variable {api_key_env} (the API key) is not set")
     return [
         APIServerConfig(
             base_url=base_url, model_name=model_name, api_key=api_key, server_type="openai", health_check=False,
