@@ -1,8 +1,8 @@
 """WebNavigationEnv: browse a generated shop on 127.0.0.1 and answer from what the pages show.
 
-The env starts one `ShopSite` HTTP server in `setup()` and stops it in `teardown()`; the agent
-uses browser-like tools (open_url, follow_link, search, submit_form). The verifier checks the
-final answer against the shop's ground truth.
+The env starts one `ShopSite` HTTP server (`web/site.py`) in `setup()` and stops it in
+`teardown()`; the agent uses browser-like tools (`web/browser.py`: open_url, follow_link, search,
+submit_form). The verifier checks the final answer against the shop's ground truth.
 
     python environments/web_navigation.py process --env.total_steps 8 --env.tokenizer_name MODEL_DIR \
         --env.data_path_to_save_groups out/web.jsonl --openai.base_url http://127.0.0.1:8000/v1
@@ -23,6 +23,8 @@ from environments.servers import default_tokenizer
 from environments.task_env import TaskEnv
 from environments.tasks import web_tasks as tasks
 from environments.tool_context import ToolContext
+from environments.web.browser import WEB_TOOLS
+from environments.web.site import ShopSite
 
 
 class WebNavigationEnvConfig(HermesAgentEnvConfig):
@@ -44,14 +46,14 @@ class WebNavigationEnv(TaskEnv):
         return config, cls.default_server_configs()
 
     async def setup(self) -> None:
-        self.site = tasks.ShopSite().start()
+        self.site = ShopSite().start()
         await super().setup()
 
     async def teardown(self) -> None:
         self.site.stop()
 
     def extra_tools(self) -> list[Any]:
-        return tasks.WEB_TOOLS
+        return WEB_TOOLS
 
     def format_prompt(self, item: dict[str, Any]) -> str:
         return item["prompt"].replace("{site}", self.site.base_url)
