@@ -8,13 +8,12 @@ Reward = committed milestones (partial credit) x efficiency of the step count.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from environments.agent_loop import AgentResult
 from environments.errors import AgentError
 from environments.hermes_base_env import HermesAgentEnvConfig
 from environments.rewards import efficiency
-from environments.servers import default_tokenizer
 from environments.task_env import TaskEnv
 from environments.tasks import long_horizon_tasks as tasks
 from environments.tool_context import ToolContext
@@ -30,13 +29,9 @@ class LongHorizonEnvConfig(HermesAgentEnvConfig):
 class LongHorizonEnv(TaskEnv):
     name = "long_horizon"
     env_config_cls = LongHorizonEnvConfig
+    config_defaults: ClassVar[dict[str, Any]] = {"group_size": 2}
     make_task = tasks.make_task
     categories = tasks.CATEGORIES
-
-    @classmethod
-    def config_init(cls) -> tuple[LongHorizonEnvConfig, list[Any]]:
-        config = LongHorizonEnvConfig(tokenizer_name=default_tokenizer(), group_size=2, use_wandb=False)
-        return config, cls.default_server_configs()
 
     async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
         return milestone_score(item, ctx) * efficiency(result.turns_used, tasks.STEP_BUDGET)

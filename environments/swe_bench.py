@@ -22,7 +22,6 @@ from environments.agent_loop import AgentResult
 from environments.hermes_base_env import HermesAgentEnvConfig
 from environments.policies import call, final
 from environments.rewards import binary_reward
-from environments.servers import default_tokenizer
 from environments.task_env import TaskEnv
 from environments.tasks import swe_tasks as tasks
 from environments.tool_context import ToolContext
@@ -41,11 +40,6 @@ class SWEBenchEnv(TaskEnv):
     env_config_cls = SWEBenchEnvConfig
     make_task = tasks.make_task
     categories = tasks.CATEGORIES
-
-    @classmethod
-    def config_init(cls) -> tuple[SWEBenchEnvConfig, list[Any]]:
-        config = SWEBenchEnvConfig(tokenizer_name=default_tokenizer(), group_size=4, use_wandb=False)
-        return config, cls.default_server_configs()
 
     async def setup(self) -> None:
         if not self.config.instances_path:

@@ -12,7 +12,6 @@ from typing import Any
 from environments.agent_loop import AgentResult
 from environments.hermes_base_env import HermesAgentEnvConfig
 from environments.rewards import binary_reward
-from environments.servers import default_tokenizer
 from environments.task_env import TaskEnv
 from environments.tasks import tool_use_chain_tasks as tasks
 from environments.tool_context import ToolContext
@@ -29,11 +28,6 @@ class ToolUseChainEnv(TaskEnv):
     env_config_cls = ToolUseChainEnvConfig
     make_task = tasks.make_task
     categories = tasks.CATEGORIES
-
-    @classmethod
-    def config_init(cls) -> tuple[ToolUseChainEnvConfig, list[Any]]:
-        config = ToolUseChainEnvConfig(tokenizer_name=default_tokenizer(), group_size=4, use_wandb=False)
-        return config, cls.default_server_configs()
 
     async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
         return binary_reward(tasks.verify(item, ctx.read_file))

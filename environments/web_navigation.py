@@ -19,7 +19,6 @@ from environments.agent_loop import AgentResult
 from environments.hermes_base_env import HermesAgentEnvConfig
 from environments.policies import ScriptedPolicy
 from environments.rewards import binary_reward, final_answer
-from environments.servers import default_tokenizer
 from environments.task_env import TaskEnv
 from environments.tasks import web_tasks as tasks
 from environments.tool_context import ToolContext
@@ -39,11 +38,6 @@ class WebNavigationEnv(TaskEnv):
     env_config_cls = WebNavigationEnvConfig
     make_task = tasks.make_task
     categories = tasks.CATEGORIES
-
-    @classmethod
-    def config_init(cls) -> tuple[WebNavigationEnvConfig, list[Any]]:
-        config = WebNavigationEnvConfig(tokenizer_name=default_tokenizer(), group_size=4, use_wandb=False)
-        return config, cls.default_server_configs()
 
     async def setup(self) -> None:
         self.site = ShopSite().start()

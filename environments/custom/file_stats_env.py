@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field
 
@@ -14,7 +14,6 @@ from environments.agent_loop import AgentResult
 from environments.hermes_base_env import HermesAgentEnvConfig
 from environments.policies import call, final
 from environments.rewards import binary_reward
-from environments.servers import default_tokenizer
 from environments.task_env import TaskEnv
 from environments.tool_context import ToolContext
 
@@ -44,11 +43,7 @@ class FileStatsEnv(TaskEnv):
     make_task = make_task
     categories = ("line_count",)
     env_config_cls = FileStatsEnvConfig
-
-    @classmethod
-    def config_init(cls) -> tuple[FileStatsEnvConfig, list[Any]]:
-        config = FileStatsEnvConfig(tokenizer_name=default_tokenizer(), group_size=2, use_wandb=False)
-        return config, cls.default_server_configs()
+    config_defaults: ClassVar[dict[str, Any]] = {"group_size": 2}  # Fields of the base config.
 
     async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
         try:  # Verify the file, never the model's claim.
