@@ -143,10 +143,6 @@ def load_instances(path: Path) -> list[dict[str, Any]]:
     return items
 
 
-def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
-
-
 def _as_list(value: Any) -> list[str]:
     return json.loads(value) if isinstance(value, str) else list(value)
 
