@@ -24,7 +24,8 @@ from pydantic import Field
 
 from environments.agent_loop import AgentResult, HermesAgentLoop
 from environments.base import Action, BaseEnvironment, State
-from environments.hermes_base_env import HermesAgentBaseEnv, HermesAgentEnvConfig, default_tokenizer
+from environments.hermes_base_env import HermesAgentBaseEnv, HermesAgentEnvConfig
+from environments.servers import default_tokenizer
 from environments.tool_call_parsers import ParsedToolCall
 from environments.tool_context import ToolContext
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from data import ArtifactStore, Manifest
-from environments.hermes_base_env import server_configs
 from environments.registry import env_class
+from environments.servers import server_configs
 
 
 def generate_rollouts(

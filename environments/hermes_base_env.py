@@ -1,13 +1,15 @@
 """`HermesAgentBaseEnv`: an atroposlib `BaseEnv` whose rollouts are multi-turn tool-using agents.
 
 The base owns the agent loop, tool resolution per group, the sandbox and its `ToolContext`,
-tokenisation for the trainer, and a concurrent, resumable `process` mode. A concrete env
-declares only `config_init`, `setup`, `get_next_item`, `format_prompt`, `compute_reward`,
-`evaluate` and `wandb_log`, and ends with `if __name__ == "__main__": Env.cli()`.
+tokenisation for the trainer, and a concurrent, resumable `process` mode (`process_mode.py`); its
+inference servers and their clients are set up in `servers.py`. A concrete env declares only
+`config_init`, `setup`, `get_next_item`, `format_prompt`, `compute_reward`, `evaluate` and
+`wandb_log`, and ends with `if __name__ == "__main__": Env.cli()`.
 
-atroposlib 0.4.0 quirks handled here (see docs/architecture.md): `process` runs one group at a time and
-renames an existing output file; `apply_chat_template` returns a BatchEncoding under
-transformers 5 (we tokenise with `return_dict=False`); `process` forces wandb on.
+atroposlib 0.4.0 quirks handled here (see docs/architecture.md): `process` runs one group at a
+time and renames an existing output file (we run groups concurrently and append, through
+`process_mode.py`); `apply_chat_template` returns a BatchEncoding under transformers 5 (we
+tokenise with `return_dict=False`); `process` forces wandb on.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import asyncio
 import json
 import logging
 import math
-import os
 import time
 import uuid
 from collections.abc import Callable
@@ -30,8 +31,11 @@ from pydantic import Field, field_validator
 from environments.agent_loop import DEFAULT_MAX_TOOL_CALLS_PER_REPLY, AgentResult, HermesAgentLoop, sanitize
 from environments.episode import AgentEpisodes
 from environments.messages import messages_with_dict_arguments
+from environments.process_mode import write_groups
 from environments.rewards import judge_verdict, keyword_overlap
 from environments.sandbox import isolation_report
+from environments.servers import build_server, default_server_configs
+from environments.servers import use_aiohttp_clients as _use_aiohttp_clients
 from environments.tool_call_parsers import PARSERS, get_parser
 from environments.tool_context import ToolContext
 from environments.tools import resolve_toolsets
@@ -139,6 +143,7 @@ class HermesAgentBaseEnv(BaseEnv, AgentEpisodes):
 
     name: str | None = None
     env_config_cls = HermesAgentEnvConfig
+    server_cls = staticmethod(build_server)  # Atroposlib's servers; a keyless one gets a placeholder key.
 
     def __init__(
         self,
@@ -494,107 +499,13 @@ class HermesAgentBaseEnv(BaseEnv, AgentEpisodes):
     # -- process mode: concurrent, appending, resumable ------------------------------------------
 
     async def process_manager(self) -> None:
-        """Generate `total_steps` groups with `process_concurrency` in flight, appending each as it ends.
-
-        Items already in the output file (by `item_id`) are skipped, so a killed run resumes.
-        """
-        await self.setup()
-        path = Path(self.config.data_path_to_save_groups or f"data/{self.name or 'groups'}.jsonl")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _drop_torn_tail(path)
-        done = _written_item_ids(path)
-        items = [await self.get_next_item() for _ in range(self.n_groups_to_process)]
-        todo = [item for item in items if item.get("item_id") not in done]
-        logger.info("%s: %d groups to generate (%d already in %s)", self.name, len(todo), len(items) - len(todo), path)
-        started = time.perf_counter()
-        semaphore = asyncio.Semaphore(self.config.process_concurrency)
-        written = failed = 0
-        lock = asyncio.Lock()
-        with open(path, "a", encoding="utf-8") as out:
-
-            async def one(item: Item) -> None:
-                nonlocal written, failed
-                async with semaphore:
-                    try:
-                        group, _ = await self.collect_trajectories(item)
-                    except Exception:
-                        logger.exception("group for item %s failed", item.get("item_id"))
-                        group = None
-                async with lock:
-                    if group is None:
-                        failed += 1
-                        return
-                    out.write(json.dumps(sanitize(group), ensure_ascii=False) + "\n")
-                    out.flush()
-                    written += 1
-
-            try:
-                await asyncio.gather(*(one(item) for item in todo))
-            finally:
-                await self.close()
-        seconds = time.perf_counter() - started
-        stats = {
-            "groups_written": written,
-            "groups_failed": failed,
-            "groups_skipped_as_done": len(items) - len(todo),
-            "rollouts": self._rollouts,
-            "infra_failures": self._infra_failures,
-            "seconds": round(seconds, 2),
-            "groups_per_second": round(written / seconds, 3) if seconds else 0.0,
-        }
-        path.with_suffix(".stats.json").write_text(json.dumps(stats, indent=2))
-        logger.info("%s: wrote %d groups (%d failed) in %.1f s", self.name, written, failed, seconds)
+        """Generate `total_steps` groups, `process_concurrency` at a time; a killed run resumes (`write_groups`)."""
+        await write_groups(self, Path(self.config.data_path_to_save_groups or f"data/{self.name or 'groups'}.jsonl"))
 
     @classmethod
     def default_server_configs(cls) -> list[APIServerConfig]:
         """An OpenAI-compatible server on localhost; override with `--openai.*`."""
-        return [
-            APIServerConfig(
-                model_name=os.environ.get("FLYWHEEL_MODEL_NAME", "smollm2"),
-                base_url=os.environ.get("FLYWHEEL_BASE_URL", "http://127.0.0.1:8000/v1"),
-                api_key=os.environ.get("FLYWHEEL_API_KEY", "local"),
-                server_type="openai",
-                health_check=False,
-                timeout=600,
-            )
-        ]
-
-
-def _use_aiohttp_clients(servers: list[Any]) -> None:
-    """Give atroposlib's OpenAI clients the SDK's aiohttp transport.
-
-    The default httpx pool re-checks every open connection on each request, which caps a CPU
-    machine near 100 requests/s at 64 in flight; aiohttp keeps up with the server (the openai SDK
-    documents `DefaultAioHttpClient` for high concurrency).
-    """
-    import openai
-
-    for server in servers:
-        client = getattr(server, "openai", None)
-        if isinstance(client, openai.AsyncClient):
-            server.openai = openai.AsyncClient(
-                api_key=client.api_key,
-                base_url=client.base_url,
-                timeout=client.timeout,
-                max_retries=0,  # atroposlib retries 3 x 3 times already; the SDK's 3 more made that 27.
-                http_client=openai.DefaultAioHttpClient(timeout=client.timeout),
-            )
-
-
-def server_configs(base_url: str, model_name: str, api_key_env: str | None = None) -> list[APIServerConfig]:
-    """Atropos server configs for an OpenAI-compatible endpoint; the key is read from `api_key_env`."""
-    api_key = os.environ.get(api_key_env, "") if api_key_env else "local"
-    return [
-        APIServerConfig(
-            base_url=base_url, model_name=model_name, api_key=api_key, server_type="openai", health_check=False,
-            timeout=600,
-        )
-    ]  # fmt: skip
-
-
-def default_tokenizer() -> str:
-    """A local tokenizer dir (`FLYWHEEL_TOKENIZER`, set by the flows) or the hub id offline caches use."""
-    return os.environ.get("FLYWHEEL_TOKENIZER", "HuggingFaceTB/SmolLM2-135M-Instruct")
+        return default_server_configs()
 
 
 def _prepare_workspace(ctx: ToolContext, item: Item) -> None:
@@ -658,31 +569,3 @@ def _eval_metrics(samples: list[dict[str, Any]]) -> dict[str, float]:
         part = [s for s in scored if s["category"] == key]
         metrics[f"eval/success_rate/{key}"] = sum(s["success"] for s in part) / len(part)
     return metrics
-
-
-def _drop_torn_tail(path: Path) -> None:
-    """Cut a partial last line left by a run killed mid-write, so appends start on a clean line."""
-    if not path.exists() or path.stat().st_size == 0:
-        return
-    data = path.read_bytes()
-    if not data.endswith(b"\n"):
-        keep = data.rfind(b"\n") + 1
-        with open(path, "r+b") as handle:
-            handle.truncate(keep)
-        logger.warning("dropped a torn last line (%d bytes) from %s", len(data) - keep, path)
-
-
-def _written_item_ids(path: Path) -> set[str]:
-    """Item ids already in an output file."""
-    if not path.exists():
-        return set()
-    done = set()
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            try:
-                meta = json.loads(line).get("meta") or {}
-            except json.JSONDecodeError:
-                continue
-            if meta.get("item_id"):
-                done.add(meta["item_id"])
-    return done

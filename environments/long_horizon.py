@@ -8,11 +8,11 @@ Reward = committed milestones (partial credit) x efficiency of the step count.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from environments.agent_loop import AgentResult
 from environments.errors import AgentError
-from environments.hermes_base_env import HermesAgentEnvConfig, default_tokenizer
+from environments.hermes_base_env import HermesAgentEnvConfig
 from environments.rewards import efficiency
 from environments.task_env import TaskEnv
 from environments.tasks import long_horizon_tasks as tasks
@@ -29,13 +29,9 @@ class LongHorizonEnvConfig(HermesAgentEnvConfig):
 class LongHorizonEnv(TaskEnv):
     name = "long_horizon"
     env_config_cls = LongHorizonEnvConfig
+    config_defaults: ClassVar[dict[str, Any]] = {"group_size": 2}
     make_task = tasks.make_task
     categories = tasks.CATEGORIES
-
-    @classmethod
-    def config_init(cls) -> tuple[LongHorizonEnvConfig, list[Any]]:
-        config = LongHorizonEnvConfig(tokenizer_name=default_tokenizer(), group_size=2, use_wandb=False)
-        return config, cls.default_server_configs()
 
     reward_range = (0.0, 1.0)
 

@@ -2,7 +2,8 @@
 
 Also runs real SWE-bench-format instances: `--env.instances_path FILE.jsonl`, one JSON object per
 line with `instance_id`, `repo_path` (a local git checkout), `base_commit`, `problem_statement`,
-`test_patch`, `patch` (the oracle) and `FAIL_TO_PASS` / `PASS_TO_PASS` (pytest node ids).
+`test_patch`, `patch` (the oracle) and `FAIL_TO_PASS` / `PASS_TO_PASS` (pytest node ids). The
+`eval_size` instances whose ids hash lowest are held out for evaluation and never trained on.
 
     python environments/swe_bench.py evaluate --env.eval_size 10 --env.tokenizer_name MODEL_DIR \
         --env.data_dir_to_save_evals out/swe --openai.base_url http://127.0.0.1:8000/v1
@@ -10,6 +11,7 @@ line with `instance_id`, `repo_path` (a local git checkout), `base_commit`, `pro
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 import subprocess
@@ -19,7 +21,7 @@ from typing import Any
 from pydantic import Field
 
 from environments.agent_loop import AgentResult
-from environments.hermes_base_env import HermesAgentEnvConfig, default_tokenizer
+from environments.hermes_base_env import HermesAgentEnvConfig
 from environments.policies import call, final
 from environments.task_env import TaskEnv
 from environments.tasks import swe_tasks as tasks
@@ -31,7 +33,9 @@ class SWEBenchEnvConfig(HermesAgentEnvConfig):
     """Generated bug-fix tasks, or real SWE-bench-format instances from a JSONL file."""
 
     max_agent_turns: int = 12
-    instances_path: str | None = Field(default=None, description="SWE-bench-format JSONL (replaces generated tasks).")
+    instances_path: str | None = Field(
+        default=None, description="SWE-bench-format JSONL (replaces generated tasks; `eval_size` of them held out)."
+    )
 
 
 class SWEBenchEnv(TaskEnv):
@@ -40,18 +44,15 @@ class SWEBenchEnv(TaskEnv):
     make_task = tasks.make_task
     categories = tasks.CATEGORIES
 
-    @classmethod
-    def config_init(cls) -> tuple[SWEBenchEnvConfig, list[Any]]:
-        config = SWEBenchEnvConfig(tokenizer_name=default_tokenizer(), group_size=4, use_wandb=False)
-        return config, cls.default_server_configs()
-
     async def setup(self) -> None:
         if not self.config.instances_path:
             await super().setup()
             return
         instances = load_instances(Path(self.config.instances_path))
-        self.stream = _ListStream(instances)
-        self.eval_items = instances[: self.config.eval_size]
+        train, self.eval_items = split_instances(instances, self.config.eval_size)
+        for item in self.eval_items:
+            self.remember_item(item)
+        self.stream = _ListStream(train)
         self.index = 0
 
     async def verify(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> bool:
@@ -75,7 +76,20 @@ class _ListStream:
         self.items = items
 
     def item(self, index: int) -> dict[str, Any]:
+        if not self.items:
+            raise ValueError("no training instances: all of instances_path is held out; lower --env.eval_size")
         return self.items[index % len(self.items)]
+
+
+def split_instances(items: list[dict[str, Any]], eval_size: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training, held-out) items: the `eval_size` ids of lowest sha256 are held out, all their copies with them.
+
+    Evaluating on instances the policy trained on would overstate it; hashing ids (not taking the
+    first lines) keeps the split independent of the file's order.
+    """
+    ids = sorted({item["item_id"] for item in items}, key=lambda i: hashlib.sha256(i.encode()).hexdigest())
+    held = set(ids[:eval_size])
+    return [i for i in items if i["item_id"] not in held], [i for i in items if i["item_id"] in held]
 
 
 def load_instances(path: Path) -> list[dict[str, Any]]:
@@ -128,10 +142,6 @@ def load_instances(path: Path) -> list[dict[str, Any]]:
     if not items:
         raise ValueError(f"{path}: no instances")
     return items
-
-
-def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
 
 
 def _as_list(value: Any) -> list[str]:

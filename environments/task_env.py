@@ -1,7 +1,8 @@
 """`TaskEnv`: the shared shape of the built-in environments, whose items come from a task family.
 
-A subclass names its family (`make_task`, `categories`) and writes `verify` (and `compute_reward`
-when its reward is more than the verifier's pass/fail); `setup`,
+A subclass names its family (`make_task`, `categories`), its config (`env_config_cls`, plus
+`config_defaults` for inherited fields such as `group_size`) and writes `verify` (and
+`compute_reward` when its reward is more than the verifier's pass/fail); `config_init`, `setup`,
 `get_next_item`, `format_prompt` and `evaluate` follow the hermes-agent contract with the usual
 defaults: training items from the config's `seed` (filtered and weighted by `difficulty`,
 `categories` and the mined `task_mix`), held-out items from `eval_seed` (same slice, no mix).
@@ -12,8 +13,9 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from environments.agent_loop import AgentResult
-from environments.hermes_base_env import HermesAgentBaseEnv
+from environments.hermes_base_env import HermesAgentBaseEnv, HermesAgentEnvConfig
 from environments.rewards import binary_reward
+from environments.servers import default_tokenizer
 from environments.task_stream import MakeTask, TaskStream
 
 
@@ -22,6 +24,13 @@ class TaskEnv(HermesAgentBaseEnv):
 
     make_task: ClassVar[MakeTask]
     categories: ClassVar[tuple[str, ...]]
+    config_defaults: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def config_init(cls) -> tuple[HermesAgentEnvConfig, list[Any]]:
+        """`env_config_cls` with `config_defaults`, the default tokenizer and wandb off; the default servers."""
+        config = cls.env_config_cls(tokenizer_name=default_tokenizer(), use_wandb=False, **cls.config_defaults)
+        return config, cls.default_server_configs()
 
     async def setup(self) -> None:
         cfg = self.config

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from environments.agent_loop import AgentResult
-from environments.hermes_base_env import HermesAgentEnvConfig, default_tokenizer
+from environments.hermes_base_env import HermesAgentEnvConfig
 from environments.task_env import TaskEnv
 from environments.tasks import tool_use_chain_tasks as tasks
 from environments.tool_context import ToolContext
@@ -27,11 +27,6 @@ class ToolUseChainEnv(TaskEnv):
     env_config_cls = ToolUseChainEnvConfig
     make_task = tasks.make_task
     categories = tasks.CATEGORIES
-
-    @classmethod
-    def config_init(cls) -> tuple[ToolUseChainEnvConfig, list[Any]]:
-        config = ToolUseChainEnvConfig(tokenizer_name=default_tokenizer(), group_size=4, use_wandb=False)
-        return config, cls.default_server_configs()
 
     key_decisions = ("read_file", "write_file")
 

@@ -1,8 +1,8 @@
 """WebNavigationEnv: browse a generated shop on 127.0.0.1 and answer from what the pages show.
 
-The env starts one `ShopSite` HTTP server in `setup()` and stops it in `teardown()`; the agent
-uses browser-like tools (open_url, follow_link, search, submit_form). The verifier checks the
-final answer against the shop's ground truth.
+The env starts one `ShopSite` HTTP server (`web/site.py`) in `setup()` and stops it in
+`teardown()`; the agent uses browser-like tools (`web/browser.py`: open_url, follow_link, search,
+submit_form). The verifier checks the final answer against the shop's ground truth.
 
     python environments/web_navigation.py process --env.total_steps 8 --env.tokenizer_name MODEL_DIR \
         --env.data_path_to_save_groups out/web.jsonl --openai.base_url http://127.0.0.1:8000/v1
@@ -16,12 +16,14 @@ from typing import Any
 from pydantic import Field
 
 from environments.agent_loop import AgentResult
-from environments.hermes_base_env import HermesAgentEnvConfig, default_tokenizer
+from environments.hermes_base_env import HermesAgentEnvConfig
 from environments.policies import ScriptedPolicy
 from environments.rewards import final_answer
 from environments.task_env import TaskEnv
 from environments.tasks import web_tasks as tasks
 from environments.tool_context import ToolContext
+from environments.web.browser import WEB_TOOLS
+from environments.web.site import ShopSite
 
 
 class WebNavigationEnvConfig(HermesAgentEnvConfig):
@@ -37,20 +39,15 @@ class WebNavigationEnv(TaskEnv):
     make_task = tasks.make_task
     categories = tasks.CATEGORIES
 
-    @classmethod
-    def config_init(cls) -> tuple[WebNavigationEnvConfig, list[Any]]:
-        config = WebNavigationEnvConfig(tokenizer_name=default_tokenizer(), group_size=4, use_wandb=False)
-        return config, cls.default_server_configs()
-
     async def setup(self) -> None:
-        self.site = tasks.ShopSite().start()
+        self.site = ShopSite().start()
         await super().setup()
 
     async def teardown(self) -> None:
         self.site.stop()
 
     def extra_tools(self) -> list[Any]:
-        return tasks.WEB_TOOLS
+        return WEB_TOOLS
 
     def format_prompt(self, item: dict[str, Any]) -> str:
         return item["prompt"].replace("{site}", self.site.base_url)

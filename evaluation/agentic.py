@@ -21,9 +21,9 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from data import ArtifactNotFound, ArtifactStore, Manifest
-from environments.hermes_base_env import server_configs
 from environments.registry import TASK_FAMILIES, env_class
 from environments.sandbox import isolation_report
+from environments.servers import server_configs
 
 logger = logging.getLogger(__name__)
 

@@ -6,12 +6,12 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field
 
 from environments.agent_loop import AgentResult
-from environments.hermes_base_env import HermesAgentEnvConfig, default_tokenizer
+from environments.hermes_base_env import HermesAgentEnvConfig
 from environments.policies import call, final
 from environments.rewards import final_answer
 from environments.task_env import TaskEnv
@@ -44,11 +44,7 @@ class FileStatsEnv(TaskEnv):
     make_task = make_task
     categories = ("line_count",)
     env_config_cls = FileStatsEnvConfig
-
-    @classmethod
-    def config_init(cls) -> tuple[FileStatsEnvConfig, list[Any]]:
-        config = FileStatsEnvConfig(tokenizer_name=default_tokenizer(), group_size=2, use_wandb=False)
-        return config, cls.default_server_configs()
+    config_defaults: ClassVar[dict[str, Any]] = {"group_size": 2}  # Fields of the base config.
 
     async def verify(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> bool:
         try:  # Verify the file, never the model's claim.

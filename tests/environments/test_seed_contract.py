@@ -14,8 +14,9 @@ import pytest
 
 from environments.adapter import StepEnvAdapter
 from environments.base import Action, BaseEnvironment
-from environments.hermes_base_env import RewardError, server_configs
+from environments.hermes_base_env import RewardError
 from environments.registry import env_class
+from environments.servers import server_configs
 from environments.tool_context import live_task_ids
 from environments.tool_use_chain import ToolUseChainEnv
 from tests.environments import seed_my_env
