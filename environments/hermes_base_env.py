@@ -17,14 +17,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-import atroposlib.envs.base as atropos_base
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from pydantic import Field, field_validator
 
@@ -32,13 +30,15 @@ from environments.agent_loop import DEFAULT_MAX_TOOL_CALLS_PER_REPLY, AgentResul
 from environments.episode import AgentEpisodes
 from environments.messages import messages_with_dict_arguments
 from environments.process_mode import write_groups
-from environments.rewards import judge_verdict, keyword_overlap
+from environments.records import eval_metrics, eval_sample, group_meta
 from environments.sandbox import isolation_report
+from environments.scoring import RolloutScoring
 from environments.servers import build_server, default_server_configs
 from environments.servers import use_aiohttp_clients as _use_aiohttp_clients
 from environments.tool_call_parsers import PARSERS, get_parser
 from environments.tool_context import ToolContext
 from environments.tools import resolve_toolsets
+from environments.workspace import WorkspaceItems
 
 logger = logging.getLogger(__name__)
 
@@ -48,37 +48,6 @@ DEFAULT_SYSTEM_PROMPT = (
     "final answer and no tool call."
 )
 Item = dict[str, Any]
-
-
-class RewardError(ValueError):
-    """An env's reward function returned something that is not a finite number (a reward bug)."""
-
-
-class _DeferredTokenizer:
-    """The tokenizer atroposlib's `BaseEnv.__init__` loads eagerly, loaded on first use instead.
-
-    The gym view (`reset`/`step`) and the oracle never tokenise, so an env must construct offline
-    without its tokenizer; a runner may also replace it with the policy's before any use.
-    """
-
-    def __init__(self, name: str, *args: Any, **kwargs: Any) -> None:
-        self._args = (name, args, kwargs)
-        self._loaded: Any = None
-
-    def __getattr__(self, attr: str) -> Any:
-        if self._loaded is None:
-            from transformers import AutoTokenizer
-
-            name, args, kwargs = self._args
-            self._loaded = AutoTokenizer.from_pretrained(name, *args, **kwargs)
-        return getattr(self._loaded, attr)
-
-
-class _DeferredAutoTokenizer:
-    from_pretrained = _DeferredTokenizer
-
-
-atropos_base.AutoTokenizer = _DeferredAutoTokenizer  # type: ignore[attr-defined]
 
 
 class HermesAgentEnvConfig(BaseEnvConfig):
@@ -135,7 +104,7 @@ class HermesAgentEnvConfig(BaseEnvConfig):
         return value
 
 
-class HermesAgentBaseEnv(BaseEnv, AgentEpisodes):
+class HermesAgentBaseEnv(BaseEnv, RolloutScoring, WorkspaceItems, AgentEpisodes):
     """Agent loop, tools, sandbox, tokenisation and a concurrent resumable `process` mode.
 
     Also a seed-000 `BaseEnvironment`: `reset` / `step` / `score` drive one episode by hand.
@@ -182,9 +151,6 @@ class HermesAgentBaseEnv(BaseEnv, AgentEpisodes):
         self._reward_buffer: list[float] = []
         self._infra_failures = 0
         self._rollouts = 0
-        self.rewards_out_of_range = 0
-        self._judged: dict[tuple[str, str], float] = {}
-        self._items_by_prompt: dict[str, Item] = {}
         # A loop built by hand from `self.server` (seed 004's `evaluate`) finds the task's files here.
         self.server.prepare_workspace = self._prepare_workspace_for  # type: ignore[attr-defined]
 
@@ -200,82 +166,6 @@ class HermesAgentBaseEnv(BaseEnv, AgentEpisodes):
         `result.task_completed` (from `verify`) and `result.key_decisions_hit` are already set.
         """
         raise NotImplementedError
-
-    async def verify(self, item: Item, result: AgentResult, ctx: ToolContext) -> bool | None:
-        """Whether the task is done, judged on the sandbox's final state (None: the env has no verifier)."""
-        return None
-
-    def key_decisions_made(self, item: Item, result: AgentResult) -> float:
-        """Share of `key_decisions` (tool names) the agent called at least once without an error."""
-        if not self.key_decisions:
-            return 0.0
-        failed = {(e.turn, e.tool_name) for e in result.tool_errors}
-        made, turn = set(), -1
-        for message in result.messages:
-            if message.get("role") != "assistant":
-                continue
-            turn += 1
-            for call in message.get("tool_calls") or []:
-                name = (call.get("function") or {}).get("name")
-                if (turn, name) not in failed:
-                    made.add(name)
-        return sum(1 for k in self.key_decisions if k in made) / len(self.key_decisions)
-
-    async def completed(self, item: Item, result: AgentResult, ctx: ToolContext) -> bool:
-        """`result.task_completed`, verifying first when nobody has (a `compute_reward` called directly)."""
-        if result.task_completed is None:
-            result.task_completed = await self.verify(item, result, ctx)
-        return bool(result.task_completed)
-
-    async def score_rollout(self, item: Item, result: AgentResult, ctx: ToolContext) -> float:
-        """`verify`, key decisions, then `compute_reward`; a reward outside `reward_range` is logged and counted."""
-        result.task_completed = await self.verify(item, result, ctx)
-        result.key_decisions_hit = self.key_decisions_made(item, result)
-        reward = await self.compute_reward(item, result, ctx)
-        if not isinstance(reward, int | float) or not math.isfinite(reward):
-            raise RewardError(f"{self.name}: compute_reward returned {reward!r} for item {item.get('item_id')}")
-        low, high = self.reward_range
-        if not low <= reward <= high:
-            self.rewards_out_of_range += 1
-            logger.error(
-                "%s: reward %s for item %s is outside the declared reward_range %s (%d so far): a reward bug, "
-                "or declare a wider range",
-                self.name, reward, item.get("item_id"), self.reward_range, self.rewards_out_of_range,
-            )  # fmt: skip
-        return float(reward)
-
-    async def _llm_judge(self, item: Item, answer: str) -> float:
-        """Grade `answer` against the item's reference with `self.server` (seed 004's judge), in [0, 1].
-
-        The judge answers a JSON verdict; when the call or its JSON fails, keyword overlap with the
-        reference decides. One judge call per (item, answer): a second ask reads the first verdict.
-        """
-        key = (str(item.get("item_id")), answer)
-        if key not in self._judged:
-            reference = str(item.get("reference") or item.get("answer") or "")
-            if self.config.teacher == "oracle":  # No model server to judge with: the fallback decides.
-                self._judged[key] = keyword_overlap(answer, reference)
-            else:
-                self._judged[key] = await judge_verdict(self.server, self.format_prompt(item), answer, reference)
-        return self._judged[key]
-
-    def prepare_workspace(self, ctx: ToolContext, item: Item) -> None:
-        """Write the item's files and run its set-up commands in the sandbox; remember it by prompt."""
-        _prepare_workspace(ctx, item)
-
-    def remember_item(self, item: Item) -> Item:
-        """Index `item` by its prompt, so a hand-built loop's sandbox gets its files (bounded)."""
-        if len(self._items_by_prompt) >= 4096:
-            self._items_by_prompt.clear()
-        self._items_by_prompt[self.format_prompt(item)] = item
-        return item
-
-    def _prepare_workspace_for(self, ctx: ToolContext, messages: list[dict[str, Any]]) -> None:
-        """Set up the sandbox of a loop that was given only messages, from its user prompt."""
-        prompt = next((m.get("content") for m in messages if m.get("role") == "user"), None)
-        item = self._items_by_prompt.get(prompt) if isinstance(prompt, str) else None
-        if item is not None:
-            self.prepare_workspace(ctx, item)
 
     def tools_by_name(self) -> dict[str, Any]:
         """The tools this env's agent may call."""
@@ -384,7 +274,7 @@ class HermesAgentBaseEnv(BaseEnv, AgentEpisodes):
             return None, []
         if len(group["scores"]) < self.config.group_size:
             group["group_overrides"] = {"group_size": len(group["scores"])}
-        group["meta"] = _meta(item, outcomes) | {"tools": tools[0], "completed": completed}  # type: ignore[typeddict-unknown-key]
+        group["meta"] = group_meta(item, outcomes) | {"tools": tools[0], "completed": completed}  # type: ignore[typeddict-unknown-key]
         return group, []
 
     def _prompt_renderer(self, tool_schemas: list[dict[str, Any]]) -> Callable[[list[dict[str, Any]]], str]:
@@ -467,11 +357,11 @@ class HermesAgentBaseEnv(BaseEnv, AgentEpisodes):
             done += 1
             if progress is not None:
                 progress(done, len(items))
-            return _eval_sample(item, result, reward)
+            return eval_sample(item, result, reward)
 
         samples = await asyncio.gather(*(one(item) for item in items))
         del self._reward_buffer[buffer_mark:]
-        metrics = _eval_metrics(samples)
+        metrics = eval_metrics(samples)
         await self.evaluate_log(
             metrics=metrics,
             samples=samples,
@@ -506,66 +396,3 @@ class HermesAgentBaseEnv(BaseEnv, AgentEpisodes):
     def default_server_configs(cls) -> list[APIServerConfig]:
         """An OpenAI-compatible server on localhost; override with `--openai.*`."""
         return default_server_configs()
-
-
-def _prepare_workspace(ctx: ToolContext, item: Item) -> None:
-    ctx.state["item"] = item  # For tools that depend on the task (the browser's one allowed site); never shown.
-    for path, content in (item.get("files") or {}).items():
-        ctx.write_file(path, content)
-    for command in item.get("setup_commands") or []:
-        outcome = ctx.terminal(command)
-        if outcome["exit_code"] != 0:
-            raise RuntimeError(f"setup command failed for {item.get('item_id')}: {command}: {outcome['output']}")
-
-
-def _meta(item: Item, outcomes: list[tuple[AgentResult, float | None]]) -> dict[str, Any]:
-    """Who the group is about, for curation and weakness mining."""
-    return {
-        "item_id": item.get("item_id"),
-        "env": item.get("env"),
-        "category": item.get("category"),
-        "difficulty": item.get("difficulty"),
-        "infra_failures": sum(1 for _, reward in outcomes if reward is None),
-        "turns_used": [r.turns_used for r, reward in outcomes if reward is not None],
-        "tool_errors": [len(r.tool_errors) for r, reward in outcomes if reward is not None],
-    }
-
-
-def _eval_sample(item: Item, result: AgentResult, reward: float | None) -> dict[str, Any]:
-    """One line of samples.jsonl, `sanitize`d so that it encodes as UTF-8."""
-    return sanitize(
-        {
-            "item_id": item.get("item_id"),
-            "env": item.get("env"),
-            "category": item.get("category"),
-            "difficulty": item.get("difficulty"),
-            "reward": reward,
-            "success": reward is not None
-            and (reward >= 0.999 if result.task_completed is None else result.task_completed),
-            "task_completed": result.task_completed,
-            "infra_error": result.infra_error,
-            "turns_used": result.turns_used,
-            "finished_naturally": result.finished_naturally,
-            "tool_errors": [e.__dict__ for e in result.tool_errors],
-            "messages": result.messages,
-        }
-    )
-
-
-def _eval_metrics(samples: list[dict[str, Any]]) -> dict[str, float]:
-    """Rates over the scored samples; infra failures are counted apart, never scored 0."""
-    scored = [s for s in samples if s["reward"] is not None]
-    n = len(scored) or 1
-    metrics = {
-        "eval/mean_reward": sum(s["reward"] for s in scored) / n,
-        "eval/success_rate": sum(s["success"] for s in scored) / n,
-        "eval/mean_turns": sum(s["turns_used"] for s in scored) / n,
-        "eval/tool_errors_per_rollout": sum(len(s["tool_errors"]) for s in scored) / n,
-        "eval/infra_failures": float(len(samples) - len(scored)),
-        "eval/infra_failure_rate": (len(samples) - len(scored)) / (len(samples) or 1),
-        "eval/n": float(len(samples)),
-    }
-    for key in sorted({s["category"] for s in scored if s["category"]}):
-        part = [s for s in scored if s["category"] == key]
-        metrics[f"eval/success_rate/{key}"] = sum(s["success"] for s in part) / len(part)
-    return metrics

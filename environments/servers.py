@@ -1,5 +1,8 @@
 """Inference servers of an env: their configs, the tokenizer default, and how their clients are built.
 
+The tokenizer atroposlib's `BaseEnv.__init__` loads eagerly is loaded on first use instead
+(`_DeferredTokenizer`, installed when this module is imported).
+
 vLLM and local servers need no API key, but the OpenAI SDK refuses to build a client without one;
 a missing key becomes `PLACEHOLDER_API_KEY` ("EMPTY", the value vLLM's docs use) when a server
 is built, so an env whose `config_init` leaves `api_key` unset still runs against a keyless server.
@@ -10,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import atroposlib.envs.base as atropos_base
 from atroposlib.envs.base import APIServerConfig
 from atroposlib.envs.server_handling.server_baseline import APIServer, ReasoningConfig
 from atroposlib.envs.server_handling.server_manager import OpenAIServer, SGLangServer, TrlVllmServer, VLLMServer
@@ -90,3 +94,30 @@ def server_configs(base_url: str, model_name: str, api_key_env: str | None = Non
 def default_tokenizer() -> str:
     """A local tokenizer dir (`FLYWHEEL_TOKENIZER`, set by the flows) or the hub id offline caches use."""
     return os.environ.get("FLYWHEEL_TOKENIZER", "HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+class _DeferredTokenizer:
+    """The tokenizer atroposlib's `BaseEnv.__init__` loads eagerly, loaded on first use instead.
+
+    The gym view (`reset`/`step`) and the oracle never tokenise, so an env must construct offline
+    without its tokenizer; a runner may also replace it with the policy's before any use.
+    """
+
+    def __init__(self, name: str, *args: Any, **kwargs: Any) -> None:
+        self._args = (name, args, kwargs)
+        self._loaded: Any = None
+
+    def __getattr__(self, attr: str) -> Any:
+        if self._loaded is None:
+            from transformers import AutoTokenizer
+
+            name, args, kwargs = self._args
+            self._loaded = AutoTokenizer.from_pretrained(name, *args, **kwargs)
+        return getattr(self._loaded, attr)
+
+
+class _DeferredAutoTokenizer:
+    from_pretrained = _DeferredTokenizer
+
+
+atropos_base.AutoTokenizer = _DeferredAutoTokenizer  # type: ignore[attr-defined]

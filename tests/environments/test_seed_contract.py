@@ -14,8 +14,8 @@ import pytest
 
 from environments.adapter import StepEnvAdapter
 from environments.base import Action, BaseEnvironment
-from environments.hermes_base_env import RewardError
 from environments.registry import env_class
+from environments.scoring import RewardError
 from environments.servers import server_configs
 from environments.tool_context import live_task_ids
 from environments.tool_use_chain import ToolUseChainEnv

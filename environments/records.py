@@ -1,0 +1,62 @@
+"""What rollouts leave behind: a group's `meta` record, evaluation samples and their metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from environments.agent_loop import AgentResult, sanitize
+
+Item = dict[str, Any]
+
+
+def group_meta(item: Item, outcomes: list[tuple[AgentResult, float | None]]) -> dict[str, Any]:
+    """Who the group is about, for curation and weakness mining."""
+    return {
+        "item_id": item.get("item_id"),
+        "env": item.get("env"),
+        "category": item.get("category"),
+        "difficulty": item.get("difficulty"),
+        "infra_failures": sum(1 for _, reward in outcomes if reward is None),
+        "turns_used": [r.turns_used for r, reward in outcomes if reward is not None],
+        "tool_errors": [len(r.tool_errors) for r, reward in outcomes if reward is not None],
+    }
+
+
+def eval_sample(item: Item, result: AgentResult, reward: float | None) -> dict[str, Any]:
+    """One line of samples.jsonl, `sanitize`d so that it encodes as UTF-8."""
+    return sanitize(
+        {
+            "item_id": item.get("item_id"),
+            "env": item.get("env"),
+            "category": item.get("category"),
+            "difficulty": item.get("difficulty"),
+            "reward": reward,
+            "success": reward is not None
+            and (reward >= 0.999 if result.task_completed is None else result.task_completed),
+            "task_completed": result.task_completed,
+            "infra_error": result.infra_error,
+            "turns_used": result.turns_used,
+            "finished_naturally": result.finished_naturally,
+            "tool_errors": [e.__dict__ for e in result.tool_errors],
+            "messages": result.messages,
+        }
+    )
+
+
+def eval_metrics(samples: list[dict[str, Any]]) -> dict[str, float]:
+    """Rates over the scored samples; infra failures are counted apart, never scored 0."""
+    scored = [s for s in samples if s["reward"] is not None]
+    n = len(scored) or 1
+    metrics = {
+        "eval/mean_reward": sum(s["reward"] for s in scored) / n,
+        "eval/success_rate": sum(s["success"] for s in scored) / n,
+        "eval/mean_turns": sum(s["turns_used"] for s in scored) / n,
+        "eval/tool_errors_per_rollout": sum(len(s["tool_errors"]) for s in scored) / n,
+        "eval/infra_failures": float(len(samples) - len(scored)),
+        "eval/infra_failure_rate": (len(samples) - len(scored)) / (len(samples) or 1),
+        "eval/n": float(len(samples)),
+    }
+    for key in sorted({s["category"] for s in scored if s["category"]}):
+        part = [s for s in scored if s["category"] == key]
+        metrics[f"eval/success_rate/{key}"] = sum(s["success"] for s in part) / len(part)
+    return metrics
