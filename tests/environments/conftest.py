@@ -26,14 +26,17 @@ def chat_reply(text: str) -> tuple[int, dict[str, Any]]:
 
 
 @pytest.fixture
-def fake_openai() -> Iterator[Callable[[Handler], str]]:
-    """`fake_openai(handle)` -> base URL; `handle(path, body)` gives (status, JSON body or text)."""
+def fake_openai() -> Iterator[Callable[..., str]]:
+    """`fake_openai(handle, headers=None)` -> base URL; `handle(path, body)` gives (status, JSON body
+    or text); each request's headers (lower-case names) are appended to `headers` when given."""
     servers: list[ThreadingHTTPServer] = []
 
-    def start(handle: Handler) -> str:
+    def start(handle: Handler, headers: list[Any] | None = None) -> str:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if headers is not None:
+                    headers.append({k.lower(): v for k, v in self.headers.items()})
                 status, payload = handle(self.path, body)
                 data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
                 self.send_response(status)
