@@ -158,6 +158,27 @@ def test_grpo_trains_a_users_step_env_and_its_reward_reaches_the_trainer(tiny_mo
     assert logged["reward"] == 1.0  # The step env's own verify, through the adapter, into GRPO.
 
 
+def _count_lines_like_the_oracle(conversation: str) -> str:
+    """file_stats' oracle, played from the conversation: `wc -l`, write the count, finish."""
+    responses = conversation.split("<tool_response>")[1:]
+    if not responses:
+        return '<tool_call>\n{"name": "terminal", "arguments": {"command": "wc -l notes.txt"}}\n</tool_call>'
+    if len(responses) == 1:
+        count = re.search(r"(\d+) notes.txt", responses[0]).group(1)
+        call = {"name": "write_file", "arguments": {"path": "answer.txt", "content": count}}
+        return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+    return "Done."
+
+
+def test_the_oracles_actions_through_the_grpo_path_pass_the_verifier(tiny_model: Path, tmp_path: Path) -> None:
+    env = env_class("file_stats")(tokenizer_name=str(tiny_model))
+    run = _train_one_step([env], tiny_model, tmp_path, _count_lines_like_the_oracle)
+    samples = [json.loads(line) for line in next(run.rollouts.glob("*.jsonl")).read_text().splitlines()]
+    assert [s["task_completed"] for s in samples] == [True, True]
+    assert all(s["reward"] >= 0.8 for s in samples)  # The verified 0.8; the judge (here the policy) adds the rest.
+    assert next(m for m in run.read_metrics() if "reward" in m)["reward"] >= 0.8
+
+
 def test_run_grpo_stores_a_checkpoint_with_lineage(
     model_store: ArtifactStore, tiny_model: Path, tmp_path: Path
 ) -> None:
