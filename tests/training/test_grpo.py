@@ -103,7 +103,7 @@ def _list_then_finish(conversation: str) -> str:
     return '<tool_call>\n{"name": "list_files", "arguments": {"path": "."}}\n</tool_call>'
 
 
-def _train_one_step(envs: list, tiny_model: Path, tmp_path: Path, reply) -> RunDir:  # type: ignore[no-untyped-def]
+def _train_one_step(envs: list, tiny_model: Path, tmp_path: Path, reply) -> tuple[RunDir, RewardDistributionWarning]:  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
 
@@ -114,7 +114,7 @@ def _train_one_step(envs: list, tiny_model: Path, tmp_path: Path, reply) -> RunD
         asyncio.run(env.setup())
         env.tokenizer = tokenizer
     cfg = RunnerConfig(total_steps=1, batch_size=2, num_rollouts_per_task=2, max_completion_length=160, temperature=0.7)
-    run = RunDir(tmp_path, "env")
+    run, flat = RunDir(tmp_path, "env"), RewardDistributionWarning()
     dataset, tasks = task_dataset(envs, 4)
     trainer = GRPOTrainer(
         model=model,
@@ -123,17 +123,18 @@ def _train_one_step(envs: list, tiny_model: Path, tmp_path: Path, reply) -> RunD
         train_dataset=dataset,
         processing_class=tokenizer,
         rollout_func=agent_rollout_func(tasks, cfg.temperature, cfg.max_completion_length),
-        callbacks=[MetricsCallback(run), RewardDistributionWarning()],
+        callbacks=[MetricsCallback(run), flat],
     )
     trainer.train()
-    return run
+    return run, flat
 
 
 def test_grpo_rolls_out_through_the_envs_own_agent_loop(tiny_model: Path, tmp_path: Path) -> None:
     env = env_class("tool_use_chain")(tokenizer_name=str(tiny_model), difficulty="easy")
-    run = _train_one_step([env], tiny_model, tmp_path, _list_then_finish)
+    run, flat = _train_one_step([env], tiny_model, tmp_path, _list_then_finish)
     logged = next(m for m in run.read_metrics() if "reward" in m)
     assert logged["reward"] == 0.0  # Listing files alone does not solve the task: the env's verifier says so.
+    assert flat.flat_steps == [1]  # All-0 groups: warned, no signal.
     samples = [json.loads(line) for line in next(run.rollouts.glob("*.jsonl")).read_text().splitlines()]
     assert len(samples) == 2 and all(s["task_completed"] is False for s in samples)
     assert "list_files" in samples[0]["completion"][0]["content"]
@@ -153,7 +154,7 @@ def test_grpo_trains_a_users_step_env_and_its_reward_reaches_the_trainer(tiny_mo
 
     write_tasks(str(tmp_path / "tasks.jsonl"))
     env = StepEnvAdapter.around(MyEnv(str(tmp_path / "tasks.jsonl")), tokenizer_name=str(tiny_model))
-    run = _train_one_step([env], tiny_model, tmp_path, _adder)
+    run, _ = _train_one_step([env], tiny_model, tmp_path, _adder)
     logged = next(m for m in run.read_metrics() if "reward" in m)
     assert logged["reward"] == 1.0  # The step env's own verify, through the adapter, into GRPO.
 
@@ -172,7 +173,7 @@ def _count_lines_like_the_oracle(conversation: str) -> str:
 
 def test_the_oracles_actions_through_the_grpo_path_pass_the_verifier(tiny_model: Path, tmp_path: Path) -> None:
     env = env_class("file_stats")(tokenizer_name=str(tiny_model))
-    run = _train_one_step([env], tiny_model, tmp_path, _count_lines_like_the_oracle)
+    run, _ = _train_one_step([env], tiny_model, tmp_path, _count_lines_like_the_oracle)
     samples = [json.loads(line) for line in next(run.rollouts.glob("*.jsonl")).read_text().splitlines()]
     assert [s["task_completed"] for s in samples] == [True, True]
     assert all(s["reward"] >= 0.8 for s in samples)  # The verified 0.8; the judge (here the policy) adds the rest.
