@@ -33,8 +33,7 @@ from environments.process_mode import write_groups
 from environments.records import eval_metrics, eval_sample, group_meta
 from environments.sandbox import isolation_report
 from environments.scoring import RolloutScoring
-from environments.servers import build_server, default_server_configs
-from environments.servers import use_aiohttp_clients as _use_aiohttp_clients
+from environments.servers import build_server, default_server_configs, use_aiohttp_clients
 from environments.tool_call_parsers import PARSERS, get_parser
 from environments.tool_context import ToolContext
 from environments.tools import resolve_toolsets
@@ -147,7 +146,7 @@ class HermesAgentBaseEnv(BaseEnv, RolloutScoring, WorkspaceItems, AgentEpisodes)
         super().__init__(config, server_configs, slurm=slurm, testing=testing)
         config.data_path_to_save_groups = output
         self.config: HermesAgentEnvConfig = config
-        _use_aiohttp_clients(self.server.servers)
+        use_aiohttp_clients(self.server.servers)
         self._reward_buffer: list[float] = []
         self._infra_failures = 0
         self._rollouts = 0
