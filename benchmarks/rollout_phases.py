@@ -33,7 +33,7 @@ PHASES = {
     "files": "sandbox set-up: task files",
     "agent": "agent loop + atroposlib server manager + OpenAI SDK",
     "tool": "tool execution",
-    "verifier": "verifier (compute_reward)",
+    "verifier": "verifier (verify + compute_reward)",
     "teardown": "sandbox tear-down",
     "tokenise": "tokenisation (tokenize_conversation)",
     "group": "group assembly (collect_trajectories)",
@@ -111,16 +111,16 @@ class PhaseProfiler:
     @contextlib.contextmanager
     def patched(self, env: Any) -> Iterator[None]:
         """Inside: `env`'s rollouts are profiled (run `env.process_manager()` in `_PHASE` "process")."""
-        from environments import hermes_base_env, tool_context, tools
+        from environments import tool_context, tools, workspace
 
         cls, context = type(env), tool_context.ToolContext
         wrap = {
             (context, "__init__"): self._timed("setup", context.__init__),
-            (hermes_base_env, "_prepare_workspace"): self._timed("files", hermes_base_env._prepare_workspace),
+            (workspace, "write_workspace"): self._timed("files", workspace.write_workspace),
             (context, "cleanup"): self._timed("teardown", context.cleanup),
             (tools.Tool, "__call__"): self._timed("tool", tools.Tool.__call__),
             (cls, "tokenize_conversation"): self._timed("tokenise", cls.tokenize_conversation),
-            (cls, "compute_reward"): self._timed_async("verifier", cls.compute_reward),
+            (cls, "score_rollout"): self._timed_async("verifier", cls.score_rollout),
             (cls, "run_agent"): self._timed_async("agent", cls.run_agent, count=True),
             (cls, "collect_trajectories"): self._timed_async("group", cls.collect_trajectories),
             (asyncio.events.Handle, "_run"): self._handle_hook(asyncio.events.Handle._run),
