@@ -1,6 +1,6 @@
 """`StepEnvAdapter`: a user's `BaseEnvironment` (reset/step) as a full agent env.
 
-The one adapter between seed 000's step contract and everything that runs agent envs (process /
+The one adapter between the step contract (docs/architecture.md) and everything that runs agent envs (process /
 evaluate / serve, evaluation suites, a flywheel round). Each rollout deep-copies the user's env
 (episodes of a group run concurrently), calls `reset(task_id)`, shows `State.text` as the user
 message with `State.tools` as the tools, and then, per model reply: the reply becomes an

@@ -65,13 +65,13 @@ class ToolError:
 
 @dataclass
 class AgentResult:
-    """What a rollout produced (the seed's trajectory).
+    """What a rollout produced (the step contract's trajectory, docs/architecture.md).
 
     `messages` are OpenAI format: a tool call's `function.arguments` is a JSON string
     (`environments.messages.tool_call_arguments` gives the dict). The env fills in
     `task_completed` (its verifier's verdict; None when it has none) and `key_decisions_hit`
     (share of its declared key decisions the agent made) before `compute_reward` runs, so a
-    reward function can read them, as in seed 000's reward template.
+    reward function can read them, as in the reward template in docs/architecture.md.
     """
 
     messages: list[dict[str, Any]]

@@ -1,4 +1,4 @@
-"""The environment contract of seed 000: `BaseEnvironment` with `reset` / `step` / `score`.
+"""The step contract (docs/architecture.md): `BaseEnvironment` with `reset` / `step` / `score`.
 
     class MyEnv(BaseEnvironment):
         def reset(self, task_id=None) -> State: ...

@@ -1,4 +1,4 @@
-"""`AgentEpisodes`: `reset` / `step` / `score` on a built-in env itself (seed 000's gym view).
+"""`AgentEpisodes`: `reset` / `step` / `score` on a built-in env itself (the step contract's gym view).
 
 For people who drive an env step by step. No tokenizer and no inference server are needed: the
 caller is the policy. A reply without a tool call ends the episode, which is then scored by the

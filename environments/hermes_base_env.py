@@ -106,7 +106,7 @@ class HermesAgentEnvConfig(BaseEnvConfig):
 class HermesAgentBaseEnv(BaseEnv, RolloutScoring, WorkspaceItems, AgentEpisodes):
     """Agent loop, tools, sandbox, tokenisation and a concurrent resumable `process` mode.
 
-    Also a seed-000 `BaseEnvironment`: `reset` / `step` / `score` drive one episode by hand.
+    Also a step-contract `BaseEnvironment`: `reset` / `step` / `score` drive one episode by hand.
     """
 
     name: str | None = None
@@ -150,7 +150,7 @@ class HermesAgentBaseEnv(BaseEnv, RolloutScoring, WorkspaceItems, AgentEpisodes)
         self._reward_buffer: list[float] = []
         self._infra_failures = 0
         self._rollouts = 0
-        # A loop built by hand from `self.server` (seed 004's `evaluate`) finds the task's files here.
+        # A loop built by hand from `self.server` (a hand-written `evaluate`) finds the task's files here.
         self.server.prepare_workspace = self._prepare_workspace_for  # type: ignore[attr-defined]
 
     # -- hooks a concrete env implements ---------------------------------------------------------

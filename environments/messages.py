@@ -1,7 +1,7 @@
 """Conversation messages in OpenAI format, and the dict view chat templates want.
 
-Rollout messages follow the OpenAI wire format (seed 004): a tool call's `function.arguments` is
-a JSON *string*, so `json.loads(arguments)` works on every message an env sees. Chat templates
+Rollout messages follow the OpenAI wire format (docs/architecture.md): a tool call's
+`function.arguments` is a JSON *string*, so `json.loads(arguments)` works on every message an env sees. Chat templates
 (and TRL) want the arguments as dicts: `messages_with_dict_arguments` gives that view.
 """
 

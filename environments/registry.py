@@ -2,7 +2,7 @@
 
 An env is named in one of three ways: a registered name (`ENVIRONMENTS`), `"module:Class"`, or
 a file path (`"path/to/my_env.py"`, or `"path/to/my_env.py:MyEnv"` when it defines several).
-A seed-000 `BaseEnvironment` that is not already an agent env is wrapped in `StepEnvAdapter`.
+A step-contract `BaseEnvironment` that is not already an agent env is wrapped in `StepEnvAdapter`.
 """
 
 from __future__ import annotations

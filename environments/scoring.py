@@ -1,10 +1,10 @@
 """`RolloutScoring`: how an agent env turns a finished rollout into its reward.
 
 `score_rollout` runs the env's `verify` (→ `AgentResult.task_completed`), counts its key
-decisions, then calls `compute_reward`, so a reward function can read the seed-000 trajectory
+decisions, then calls `compute_reward`, so a reward function can read the step-contract trajectory
 fields. The reward must be a finite number; one outside the env's declared `reward_range` is kept
 as given, logged as an error and counted (`rewards_out_of_range`), never silently clipped.
-`_llm_judge` is seed 004's judge on the env's own server.
+`_llm_judge` is the hermes-agent contract's judge (docs/architecture.md) on the env's own server.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class RolloutScoring:
         return float(reward)
 
     async def _llm_judge(self, item: Item, answer: str) -> float:
-        """Grade `answer` against the item's reference with `self.server` (seed 004's judge), in [0, 1].
+        """Grade `answer` against the item's reference with `self.server` in [0, 1].
 
         The judge answers a JSON verdict; when the call or its JSON fails, keyword overlap with the
         reference decides. One judge call per (item, answer): a second ask reads the first verdict.

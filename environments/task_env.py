@@ -43,7 +43,7 @@ class TaskEnv(HermesAgentBaseEnv):
 
     @property
     def _eval_items(self) -> list[dict[str, Any]]:
-        """The held-out items under the name seed 004's `evaluate` sample reads."""
+        """The held-out items under the name a hand-written `evaluate` reads."""
         return self.eval_items
 
     async def get_next_item(self) -> dict[str, Any]:

@@ -34,7 +34,7 @@ class ToolUseChainEnv(TaskEnv):
         return tasks.verify(item, ctx.read_file)
 
     async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
-        """Seed 000's template: done = 1, less 0.01 per model call (fewer steps, more reward)."""
+        """The reward template (docs/architecture.md): done = 1, less 0.01 per model call."""
         if not await self.completed(item, result, ctx):
             return 0.0
         return round(1.0 - 0.01 * result.num_steps, 6)

@@ -1,5 +1,5 @@
 """A task's sandbox set-up: the item's files and set-up commands, and finding the item of a
-loop that was given only messages (seed 004's hand-built `evaluate`)."""
+loop that was given only messages (a hand-built `evaluate`)."""
 
 from __future__ import annotations
 

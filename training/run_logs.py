@@ -43,7 +43,7 @@ class RunDir:
             handle.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
 
     def log_rollouts(self, step: int, samples: list[dict[str, Any]]) -> None:
-        """Sampled rollouts of a step, for the periodic human review the seed asks for."""
+        """Sampled rollouts of a step, for periodic human review of rollouts."""
         path = self.rollouts / f"step-{step:06d}.jsonl"
         path.write_text("".join(json.dumps(s, ensure_ascii=False, default=str) + "\n" for s in samples))
 

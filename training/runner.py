@@ -1,4 +1,4 @@
-"""`AtroposRunner`: seed 000's Step 2-3 program, on this project's trainers.
+"""`AtroposRunner`: the documented training program (README, AtroposRunner), on this project's trainers.
 
     from environments.tool_use_chain import ToolUseChainEnv
     from training import AtroposRunner

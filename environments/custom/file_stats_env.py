@@ -53,7 +53,7 @@ class FileStatsEnv(TaskEnv):
             return False
 
     async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
-        """Seed 004's multi-signal shape: the verified file earns 0.8, a judged final reply the rest.
+        """Multi-signal: the verified file earns 0.8, a judged final reply the rest.
 
         The judge only adds to a verified task, so talking well can never stand in for the work.
         """

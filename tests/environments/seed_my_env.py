@@ -1,4 +1,4 @@
-"""Seed 000's custom environment, written as the seed shows it (its `...` filled in).
+"""A user's step environment, written to the contract in docs/architecture.md (its `...` filled in).
 
 The agent must add two numbers with the `add` tool and answer with the sum.
 """
@@ -40,7 +40,7 @@ class MyEnv(BaseEnvironment):
     def __init__(self, task_file: str):
         self.tasks = load_tasks(task_file)
 
-    def reset(self, task_id: int = None) -> State:  # noqa: RUF013 (the seed's signature)
+    def reset(self, task_id: int = None) -> State:  # noqa: RUF013 (the contract's documented signature)
         self.task = self.tasks[task_id or random.randint(0, len(self.tasks) - 1)]
         return State(prompt=self.task["prompt"], initial_context=self.task.get("context", {}), tools=[ADD])
 

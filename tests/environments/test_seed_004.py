@@ -1,5 +1,5 @@
-"""Seed 004's samples as a user copies them: `compute_reward` reading OpenAI-format messages and
-calling `self._llm_judge`, and the hand-written `evaluate()` on every built-in env.
+"""The hermes-agent contract (docs/architecture.md) as a user writes it: `compute_reward` reading OpenAI-format
+messages and calling `self._llm_judge`, and the hand-written `evaluate()` on every built-in env.
 
 A fake OpenAI server plays the model: it replays each item's oracle (found by the prompt) and
 answers the judge's grading prompt with a JSON verdict.
@@ -24,7 +24,7 @@ from tests.environments.conftest import chat_reply
 
 
 async def seed_evaluate(self, *args, **kwargs) -> None:
-    """Seed 004's `evaluate()`, with its `...` filled in."""
+    """A hand-written `evaluate()` as the hermes-agent contract (docs/architecture.md) describes it."""
     import time
     import uuid
 
@@ -109,7 +109,7 @@ def test_the_seeds_evaluate_runs_on_every_built_in_env(
 
 class SeedRewardEnv(FileStatsEnv):
     async def compute_reward(self, item, result: AgentResult, ctx: ToolContext) -> float:
-        """Seed 004's `compute_reward`, as written."""
+        """A `compute_reward` as the hermes-agent contract (docs/architecture.md) describes it."""
         # Извлечение финального ответа (последнее сообщение assistant с контентом)
         final_response = ""
         tools_used = []
@@ -122,7 +122,7 @@ class SeedRewardEnv(FileStatsEnv):
                     name = fn.get("name", "")
                     if name:
                         tools_used.append(name)
-                    json.loads(fn["arguments"])  # The seed's messages are OpenAI format: arguments are JSON text.
+                    json.loads(fn["arguments"])  # Messages are OpenAI format: arguments are JSON text.
 
         # Оценка через LLM-судью, эвристику или ToolContext
         correctness = await self._llm_judge(item, final_response)

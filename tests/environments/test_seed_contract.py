@@ -1,4 +1,4 @@
-"""Seed 000's environment contract as a user copies it: built-in envs driven by `reset`/`step`,
+"""The step contract (docs/architecture.md) as a user copies it: built-in envs driven by `reset`/`step`,
 and a user's `BaseEnvironment` (tests/environments/seed_my_env.py) run in process and evaluate
 mode through the adapter, registered by name, `module:Class` or file path."""
 
@@ -38,7 +38,7 @@ def test_a_built_in_env_is_a_base_environment_and_needs_no_tokenizer(monkeypatch
             assert (reward, done) == (0.0, False)
         final = env.step(Action(text="Done: the files are written."))
         assert final.done and final.info["task_completed"]
-        assert final.reward == pytest.approx(1.0 - 0.01 * final.info["turns"])  # The seed's efficiency term.
+        assert final.reward == pytest.approx(1.0 - 0.01 * final.info["turns"])  # The efficiency term.
         assert env.score(final.next_state.messages) == pytest.approx(final.reward)
         args = final.next_state.messages[2]["tool_calls"][0]["function"]["arguments"]
         assert isinstance(json.loads(args), dict)  # OpenAI format: arguments are a JSON string.

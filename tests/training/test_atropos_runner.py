@@ -1,6 +1,6 @@
-"""Seed 000's Step 2-3 program, run as copied with one changed import line.
+"""The documented training program (README, AtroposRunner), run as copied with one changed import line.
 
-The seed trains Llama-3-8B for 10 000 steps of 64 rollouts; on a CPU test machine the program
+The documented program trains Llama-3-8B for 10 000 steps of 64 rollouts; on a CPU test machine the program
 keeps its text and only its model ids and sizes are swapped for the tiny model and one step.
 """
 
@@ -55,7 +55,7 @@ def test_the_seeds_training_program_runs_and_writes_the_run_folder(
     for seed_text, cpu_text in CPU_SIZED.items():
         assert seed_text in program
         program = program.replace(seed_text, cpu_text)
-    monkeypatch.chdir(tmp_path)  # The seed's layout: logs/run-<date>/... under the working directory.
+    monkeypatch.chdir(tmp_path)  # The documented layout: logs/run-<date>/... under the working directory.
     monkeypatch.setenv("FLYWHEEL_STORE", os.fspath(model_store.url))
     exec(compile(program.replace("TINY", repr(str(tiny_model))), "run_training.py", "exec"), {})
     (run_dir,) = (tmp_path / "logs").glob("run-*")
