@@ -149,16 +149,9 @@ class StepEnvAdapter(HermesAgentBaseEnv):
         loop = StepEnvLoop(
             environment,
             server=self.server,
-            tool_schemas=schemas,
             valid_tool_names={s["function"]["name"] for s in schemas},
-            max_turns=self.config.max_agent_turns,
             task_id=f"{item['item_id']}-{id(environment):x}",
-            temperature=temperature,
-            max_tokens=self.config.max_token_length,
-            extra_body=self.config.extra_body,
-            tool_call_parser=self.config.tool_call_parser,
-            inference_retries=self.config.inference_retries,
-            max_tool_calls_per_reply=self.config.max_tool_calls_per_reply,
+            **self.loop_settings(schemas, temperature),
             render_prompt=self._prompt_renderer(schemas),
         )
         ctx = ToolContext(loop.task_id)

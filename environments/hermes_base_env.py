@@ -225,17 +225,10 @@ class HermesAgentBaseEnv(BaseEnv, RolloutScoring, WorkspaceItems, AgentEpisodes)
             server = self.oracle_policy(item) if oracle else self.server
             loop = HermesAgentLoop(
                 server=server,
-                tool_schemas=schemas,
                 valid_tool_names=names,
-                max_turns=self.config.max_agent_turns,
                 task_id=task_id,
-                temperature=temperature,
-                max_tokens=self.config.max_token_length,
-                extra_body=self.config.extra_body,
-                tool_call_parser=self.config.tool_call_parser,
                 tools=self.extra_tools(),
-                inference_retries=self.config.inference_retries,
-                max_tool_calls_per_reply=self.config.max_tool_calls_per_reply,
+                **self.loop_settings(schemas, temperature),
                 render_prompt=None if oracle else self._prompt_renderer(schemas),
             )
             result = await loop.run(self.build_messages(item, schemas))
@@ -244,6 +237,19 @@ class HermesAgentBaseEnv(BaseEnv, RolloutScoring, WorkspaceItems, AgentEpisodes)
             return result, await self.score_rollout(item, result, ctx)
         finally:
             ctx.cleanup()
+
+    def loop_settings(self, schemas: list[dict[str, Any]], temperature: float) -> dict[str, Any]:
+        """The agent loop's settings from this env's config (shared by every loop an env builds)."""
+        return {
+            "tool_schemas": schemas,
+            "max_turns": self.config.max_agent_turns,
+            "temperature": temperature,
+            "max_tokens": self.config.max_token_length,
+            "extra_body": self.config.extra_body,
+            "tool_call_parser": self.config.tool_call_parser,
+            "inference_retries": self.config.inference_retries,
+            "max_tool_calls_per_reply": self.config.max_tool_calls_per_reply,
+        }
 
     async def collect_trajectories(self, item: Item) -> tuple[ScoredDataGroup | None, list[Item]]:
         """`group_size` concurrent rollouts of one item; infra failures are dropped, not scored 0."""

@@ -83,7 +83,7 @@ def agent_rollout_func(tasks: dict[str, Task], temperature: float, max_completio
         server = PolicyServer(trainer, trainer.args.top_k, max_completion_length)
         batch = [tasks[prompt_key(prompt)] for prompt in prompts]
         outcomes = asyncio.run(_run_all(batch, server, temperature))
-        out: dict[str, list[Any]] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
+        out: dict[str, Any] = {k: [] for k in ("prompt_ids", "completion_ids", "env_mask")}
         out |= {"env_reward": [], "task_completed": [], "turns_used": []}
         for task, (result, reward) in zip(batch, outcomes, strict=True):
             schemas, _ = task.env._resolve_tools_for_group()
@@ -94,12 +94,11 @@ def agent_rollout_func(tasks: dict[str, Task], temperature: float, max_completio
             mask = [int(m != -100) for m in masks[start:][:max_completion_length]] or [0]
             out["prompt_ids"].append(tokens[:start])
             out["completion_ids"].append(completion)
-            out["logprobs"].append(None)
             out["env_mask"].append(mask)
             out["env_reward"].append(reward)
             out["task_completed"].append(result.task_completed)
             out["turns_used"].append(result.turns_used)
-        out["logprobs"] = None  # type: ignore[assignment]  # Recomputed by the trainer from the policy.
+        out["logprobs"] = None  # Recomputed by the trainer from the policy.
         return out
 
     return rollout
