@@ -72,7 +72,7 @@ def main() -> None:
                            check=True, capture_output=True)  # fmt: skip
             plain = time.perf_counter() - started
             started = time.perf_counter()
-            cfg = SFTRunConfig(model=args.model, dataset=str(data), max_steps=args.steps, batch_size=4,
+            cfg = SFTRunConfig(policy_model=args.model, dataset=str(data), total_steps=args.steps, batch_size=4,
                                learning_rate=1e-4, logs_root=f"{tmp}/logs", output_name=f"bench{repeat}")  # fmt: skip
             subprocess.run([sys.executable, "-c", f"from training.sft import *; from data import ArtifactStore; "
                             f"run_sft(SFTRunConfig.model_validate_json({cfg.model_dump_json()!r}), ArtifactStore())"],

@@ -100,7 +100,7 @@ def curate(
         if not rollouts:
             result.removed["infra"] += 1
             continue
-        pair = _preference_pair(rollouts, meta, config.pair_min_gap)
+        pair = preference_pair(rollouts, meta, config.pair_min_gap)
         if pair is not None:
             result.pairs.append(pair)
         scores = [r["score"] for r in rollouts]
@@ -161,7 +161,7 @@ def _as_dict(arguments: Any) -> dict[str, Any]:
     return arguments if isinstance(arguments, dict) else {}
 
 
-def _preference_pair(rollouts: list[dict[str, Any]], meta: dict[str, Any], gap: float) -> dict[str, Any] | None:
+def preference_pair(rollouts: list[dict[str, Any]], meta: dict[str, Any], gap: float) -> dict[str, Any] | None:
     """Best vs worst of a group, split after the prompt (system + user), if their scores differ enough."""
     best = max(rollouts, key=lambda r: (r["score"], -r["turns"]))
     worst = min(rollouts, key=lambda r: (r["score"], r["turns"]))

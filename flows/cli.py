@@ -275,48 +275,47 @@ ConfigOption = Annotated[Path, typer.Option("--config", help="YAML config (see t
 Overrides = Annotated[list[str] | None, typer.Argument(help="key=value overrides of config fields.")]
 
 
+GpusOption = Annotated[int, typer.Option(help="Launch on this many GPUs with accelerate (ZeRO / FSDP per config).")]
+DryRunOption = Annotated[bool, typer.Option(help="Print the multi-GPU launch command and exit.")]
+
+
 @train_app.command("sft")
 def train_sft(
-    config: ConfigOption,
-    overrides: Overrides = None,
-    gpus: Annotated[int, typer.Option(help="Launch on this many GPUs with accelerate (DeepSpeed).")] = 1,
-    dry_run: Annotated[bool, typer.Option(help="Print the multi-GPU launch command and exit.")] = False,
+    config: ConfigOption, overrides: Overrides = None, gpus: GpusOption = 1, dry_run: DryRunOption = False
 ) -> None:
     """Supervised fine-tuning on a curated dataset artifact."""
-    from training.config import load_config
-    from training.sft import SFTRunConfig, launch_command, run_sft
+    _train("sft", config, overrides, gpus, dry_run)
 
-    cfg = load_config(SFTRunConfig, config, overrides)
+
+@train_app.command("rl")
+def train_rl(
+    config: ConfigOption, overrides: Overrides = None, gpus: GpusOption = 1, dry_run: DryRunOption = False
+) -> None:
+    """Online RL (GRPO, or the config's `algorithm`) on the environments."""
+    _train(None, config, overrides, gpus, dry_run)
+
+
+@train_app.command("dpo")
+def train_dpo(
+    config: ConfigOption, overrides: Overrides = None, gpus: GpusOption = 1, dry_run: DryRunOption = False
+) -> None:
+    """Preference optimisation (DPO) on curated pairs, or on pairs sampled online from the envs."""
+    _train("dpo", config, overrides, gpus, dry_run)
+
+
+def _train(algorithm: str | None, config: Path, overrides: list[str] | None, gpus: int, dry_run: bool) -> None:
+    """Load the config its algorithm names (training.registry); run it here, or launched on `gpus` GPUs."""
+    from training.launch import launch_command
+    from training.registry import load_run_config, run_training
+
+    overrides = [*(overrides or []), *([f"algorithm={algorithm}"] if algorithm and algorithm != "sft" else [])]
+    cfg = load_run_config(config, overrides, default=algorithm or "grpo")
     if gpus > 1 or dry_run:
-        command = launch_command(str(config), gpus, cfg.deepspeed, overrides or [], state.store_url)
+        command = launch_command(cfg, str(config), gpus, overrides, state.store_url)
         if dry_run:
             console.print(" ".join(command), soft_wrap=True, highlight=False)
             return
         raise typer.Exit(subprocess.call(command))
-    manifest = run_sft(cfg, state.store)
-    console.print(
-        f"checkpoint/{manifest.name} = {manifest.id[:12]}  loss {manifest.metrics['first_loss']:.3f} -> "
-        f"{manifest.metrics['final_loss']:.3f}"
-    )
-
-
-@train_app.command("rl")
-def train_rl(config: ConfigOption, overrides: Overrides = None) -> None:
-    """Online RL (GRPO) on the environments."""
-    _train(config, overrides, None)
-
-
-@train_app.command("dpo")
-def train_dpo(config: ConfigOption, overrides: Overrides = None) -> None:
-    """Preference optimisation (DPO) on curated pairs."""
-    _train(config, overrides, "dpo")
-
-
-def _train(config: Path, overrides: list[str] | None, algorithm: str | None) -> None:
-    from training.config import RunnerConfig, load_config
-    from training.dpo import run_training
-
-    cfg = load_config(RunnerConfig, config, [*(overrides or []), *([f"algorithm={algorithm}"] if algorithm else [])])
     try:
         manifest = run_training(cfg, state.store)
     except ValueError as err:

@@ -6,7 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-ProfileName = Literal["default", "quick", "tiny"]
+from training.device import DeviceChoice
+
+ProfileName = Literal["default", "quick", "tiny", "h100"]
 
 
 class RoundProfile(BaseModel):
@@ -24,7 +26,25 @@ class RoundProfile(BaseModel):
     max_tokens: int = Field(default=192, ge=8, description="Tokens per model reply in evaluation.")
     difficulty: str | None = Field(default="easy", description="Task difficulty of this round (training and held-out).")
     categories: list[str] | None = Field(default=None, description="Task categories of this round (None: all).")
-    gpus: int = Field(default=1, ge=0, description="Slots of the `gpu` global concurrency limit a GPU stage takes.")
+    device: DeviceChoice = Field(
+        default="auto", description="Where GPU stages run: auto (CUDA when visible), cpu, cuda."
+    )
+    gpus: int = Field(
+        default=1,
+        ge=0,
+        description="GPUs a GPU stage uses (slots of the `gpu` concurrency limit; >1 launches accelerate).",
+    )
+    sharding: Literal["zero2", "zero3", "zero3_offload", "fsdp"] = Field(
+        default="zero3", description="How SFT and GRPO shard across `gpus` > 1 (DeepSpeed ZeRO or FSDP)."
+    )
+    threads: int = Field(default=2, ge=1, description="CPU training: torch threads.")
+    sft_batch_size: int = Field(default=4, ge=1, description="SFT conversations per device per step.")
+    rl_batch_size: int = Field(default=4, ge=1, description="GRPO completions per device per step.")
+    rl_group_size: int = Field(default=2, ge=2, description="GRPO rollouts per task (the group).")
+    rl_tasks: int = Field(default=16, ge=1, description="Distinct GRPO training tasks.")
+    rl_max_tool_calls: int = Field(default=4, ge=0, description="GRPO tool-calling turns per rollout.")
+    eval_max_turns: int = Field(default=6, ge=1, description="Agent turns per held-out task.")
+    save_steps: int = Field(default=0, ge=0, description="SFT / GRPO step checkpoint every N steps (a re-run resumes).")
     teacher: Literal["oracle", "policy", "endpoint"] = Field(
         default="oracle",
         description="Who generates: the envs' oracles, the round's base model (served), or `teacher_url`.",
@@ -55,4 +75,26 @@ PROFILES: dict[str, RoundProfile] = {
     "quick": RoundProfile(model="tiny", groups=8, sft_steps=4, sft_lr=1e-3, rl_steps=1, eval_size=3, max_tokens=48),
     # The smallest round that still runs every stage for real: tests and the overhead benchmark.
     "tiny": RoundProfile(model="tiny", groups=4, sft_steps=2, sft_lr=1e-3, rl_steps=1, eval_size=2, max_tokens=16),
+    # One 8xH100 node: a 0.5-8B model by HF id (from the local HF cache) or a local directory.
+    "h100": RoundProfile(
+        model="Qwen/Qwen2.5-1.5B-Instruct",
+        device="cuda",
+        gpus=8,
+        difficulty=None,
+        groups=512,
+        sft_steps=500,
+        sft_lr=2e-5,
+        sft_max_length=4096,
+        sft_batch_size=8,
+        rl_steps=200,
+        rl_batch_size=64,
+        rl_group_size=8,
+        rl_tasks=2048,
+        rl_max_tool_calls=16,
+        rl_max_completion=2048,
+        eval_size=200,
+        eval_max_turns=16,
+        max_tokens=1024,
+        save_steps=50,
+    ),
 }

@@ -18,11 +18,13 @@ from evaluation.report import build_report
 from evaluation.weakness import mine_to_store
 from flows.profiles import RoundProfile
 from inference import ModelServer, ServerConfig
-from training.config import RunnerConfig
-from training.grpo import run_grpo
-from training.launch import launch_sft
+from training.config import TrainConfig
+from training.device import DeviceSettings
+from training.grpo import GRPORunConfig
+from training.launch import launch
 from training.models import resolve_model
-from training.sft import SFTRunConfig, run_sft
+from training.registry import run_training
+from training.sft import SFTRunConfig
 
 
 class StageParams(BaseModel):
@@ -81,7 +83,7 @@ def generate(params: GenerateParams) -> Manifest:
         if p.teacher == "endpoint":
             endpoint = {"base_url": p.teacher_url, "model_name": p.teacher_model, "api_key_env": p.teacher_api_key_env}
         elif p.teacher == "policy":
-            server = stack.enter_context(ModelServer(ServerConfig(model=str(model_dir))))
+            server = stack.enter_context(ModelServer(server_config(p, str(model_dir))))
             endpoint = {"base_url": server.base_url, "model_name": server.model_name}
         return generate_rollouts(
             store,
@@ -104,49 +106,76 @@ def curate(params: CurateParams) -> Manifest:
     return curate_to_store(params.store(), [params.rollouts], f"round{params.round_no}")[0]
 
 
-def sft(params: SFTParams, callbacks: list[Any] | None = None) -> Manifest:
-    """Supervised fine-tuning (TRL SFTTrainer) on the curated set."""
+def sft_config(params: SFTParams) -> SFTRunConfig:
+    """The SFT stage's run config: the profile's sizes on the profile's device (pure: `flywheel plan` shows it)."""
     p = params.profile
-    cfg = SFTRunConfig(
-        model=params.base,
+    return SFTRunConfig(
+        policy_model=params.base,
         dataset=params.dataset,
-        max_steps=p.sft_steps,
+        total_steps=p.sft_steps,
         learning_rate=p.sft_lr,
-        batch_size=4,
+        batch_size=p.sft_batch_size,
         max_length=p.sft_max_length,
-        num_threads=2,
         output_name=f"sft-r{params.round_no}",
+        **_hardware(p),
     )
-    if p.gpus > 1:  # One process per GPU; the trainer's steps then show in the run log, not as a progress bar.
-        return launch_sft(cfg, params.store(), p.gpus)
-    return run_sft(cfg, params.store(), callbacks=callbacks)
 
 
-def rl(params: RLParams, callbacks: list[Any] | None = None) -> Manifest:
-    """GRPO in the round's environment, KL to the SFT checkpoint."""
+def rl_config(params: RLParams) -> GRPORunConfig:
+    """The RL stage's GRPO config (pure, like `sft_config`)."""
     p = params.profile
-    cfg = RunnerConfig(
+    return GRPORunConfig(
         policy_model=params.policy,
         envs=[p.env],
         difficulty=p.difficulty,
         categories=p.categories,
         total_steps=p.rl_steps,
-        batch_size=4,
-        num_rollouts_per_task=2,
+        batch_size=p.rl_batch_size,
+        num_rollouts_per_task=p.rl_group_size,
         max_completion_length=p.rl_max_completion,
-        max_tool_calls=4,
-        num_tasks=16,
+        max_tool_calls=p.rl_max_tool_calls,
+        num_tasks=p.rl_tasks,
         output_name=f"rl-r{params.round_no}",
-        num_threads=2,
+        **_hardware(p),
     )
-    return run_grpo(cfg, params.store(), callbacks=callbacks)
+
+
+def _hardware(p: RoundProfile) -> dict[str, Any]:
+    """Device, threads, step checkpoints and multi-GPU sharding of a training stage."""
+    sharding = {"fsdp": True} if p.sharding == "fsdp" else {"deepspeed": p.sharding}
+    return {"device": p.device, "num_threads": p.threads, "save_steps": p.save_steps} | (sharding if p.gpus > 1 else {})
+
+
+def server_config(p: RoundProfile, model_dir: str) -> ServerConfig:
+    """How a stage serves a model: `vllm serve` across the stage's GPUs on CUDA, `transformers serve` on CPU."""
+    settings = DeviceSettings.for_device(p.device)
+    if settings.server_backend == "vllm":
+        return ServerConfig(model=model_dir, backend="vllm", dtype=settings.dtype, data_parallel_size=max(1, p.gpus))
+    return ServerConfig(model=model_dir)
+
+
+def sft(params: SFTParams, callbacks: list[Any] | None = None) -> Manifest:
+    """Supervised fine-tuning (TRL SFTTrainer) on the curated set."""
+    return _train(sft_config(params), params, callbacks)
+
+
+def rl(params: RLParams, callbacks: list[Any] | None = None) -> Manifest:
+    """GRPO in the round's environment, KL to the SFT checkpoint."""
+    return _train(rl_config(params), params, callbacks)
+
+
+def _train(cfg: TrainConfig, params: StageParams, callbacks: list[Any] | None) -> Manifest:
+    """Train here, or launched with accelerate on the profile's GPUs (steps then show in the run log)."""
+    if params.profile.gpus > 1:
+        return launch(cfg, params.store(), params.profile.gpus)
+    return run_training(cfg, params.store(), callbacks=callbacks)
 
 
 def evaluate(params: EvaluateParams, progress: Progress | None = None) -> Manifest:
     """Serve the model and run the agentic evaluation on the env's held-out tasks; `progress(env, done, total)`."""
     p, store = params.profile, params.store()
     model_dir = resolve_model(params.model, store)
-    with ModelServer(ServerConfig(model=str(model_dir))) as server:
+    with ModelServer(server_config(p, str(model_dir))) as server:
         cfg = AgenticEvalConfig(
             envs=[p.env],
             eval_size=p.eval_size,
@@ -156,7 +185,7 @@ def evaluate(params: EvaluateParams, progress: Progress | None = None) -> Manife
             base_url=server.base_url,
             model_name=server.model_name or "",
             tokenizer=str(model_dir),
-            max_agent_turns=6,
+            max_agent_turns=p.eval_max_turns,
             name=params.name,
         )
         return run_agentic_eval(cfg, store, model_ref_of(store, params.model), progress=progress)

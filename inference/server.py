@@ -63,6 +63,7 @@ class ServerConfig(BaseModel):
 
     # -- vllm serve (GPU)
     tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM: GPUs per model replica.")
+    data_parallel_size: int = Field(default=1, ge=1, description="vLLM: model replicas (one per GPU group).")
     max_model_len: int | None = Field(default=None, ge=1, description="vLLM: context length cap.")
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="vLLM: GPU memory share.")
     tool_call_parser: str | None = Field(
@@ -103,6 +104,8 @@ def build_command(config: ServerConfig, port: int) -> list[str]:
             config.dtype,
             "--tensor-parallel-size",
             str(config.tensor_parallel_size),
+            "--data-parallel-size",
+            str(config.data_parallel_size),
             "--gpu-memory-utilization",
             str(config.gpu_memory_utilization),
         ]

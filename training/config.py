@@ -1,13 +1,17 @@
-"""`RunnerConfig`: the runner knobs as one validated, YAML-loadable config.
+"""Training configs: `TrainConfig` (what every run shares) and `RunnerConfig` (RL on the environments).
 
     flywheel train rl --config training/configs/grpo_tiny.yaml kl_beta=0.05 total_steps=20
 
-Validation reports every problem at once and says what to set.
+Each algorithm's own config lives beside its trainer, TRL-style (`SFTRunConfig` in
+`training/sft.py`, `GRPORunConfig` in `training/grpo.py`, `DPORunConfig` in `training/dpo.py`);
+`training/registry.py` maps an algorithm name to both. Validation reports every problem at
+once and says what to set.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,36 +19,101 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from environments.registry import ENVIRONMENTS, is_env_spec
+from training.device import DeviceChoice, DeviceSettings
 
 logger = logging.getLogger(__name__)
 
 MIN_KL_BETA = 0.01
+DEEPSPEED_DIR = Path(__file__).parent / "deepspeed"
 
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message lists every problem."""
 
 
-class RunnerConfig(BaseModel):
-    """One training run (RL or preference) with the runner knobs; unknown fields are an error."""
+class TrainConfig(BaseModel):
+    """What every training run shares (SFT, GRPO, DPO): the model, the optimiser, the device, the logs.
+
+    Unknown fields are an error. `device` decides precision, attention, memory savers and
+    backends (`training.device`); `auto` is CUDA when a GPU is visible.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     # -- models
-    policy_model: str = Field(default="tiny", description="Model to train: smollm2 | tiny | ref | dir.")
-    ref_model: str | None = Field(default=None, description="KL reference; None means the initial policy.")
-    algorithm: Literal["grpo", "dpo", "ppo"] = Field(default="grpo", description="RL / preference algorithm.")
+    policy_model: str = Field(default="tiny", description="Model to train: smollm2 | tiny | store ref | dir | HF id.")
+    algorithm: str = Field(default="sft", description="Training algorithm (training.registry).")
     # -- optimisation
-    batch_size: int = Field(default=4, ge=1, description="Completions per optimizer step (per device).")
+    batch_size: int = Field(default=4, ge=1, description="Examples (or completions) per device per micro-batch.")
+    gradient_accumulation_steps: int = Field(default=1, ge=1, description="Micro-batches per optimizer step.")
     learning_rate: float = Field(default=1e-5, gt=0, description="Peak learning rate.")
     warmup_ratio: float = Field(default=0.1, ge=0, lt=1, description="Share of steps spent warming up.")
+    total_steps: int = Field(default=10, ge=1, description="Optimizer steps.")
+    seed: int = Field(default=0, description="Seed for data order, sampling and initialisation.")
+    # -- hardware
+    device: DeviceChoice = Field(default="auto", description="cpu | cuda | auto (CUDA when a GPU is visible).")
+    num_threads: int = Field(default=1, ge=1, description="cpu: torch threads (one beat two under load).")
+    deepspeed: Literal["zero2", "zero3", "zero3_offload"] | None = Field(
+        default=None, description="DeepSpeed ZeRO config from training/deepspeed/ (also runs on CPU via gloo)."
+    )
+    fsdp: bool = Field(default=False, description="Shard with FSDP across the launched GPUs (instead of ZeRO).")
+    # -- checkpoints and logging
+    save_steps: int = Field(
+        default=0, ge=0, description="Step checkpoint every N steps, mirrored to the store (0: off)."
+    )
+    resume: bool = Field(default=True, description="Continue from this run's last step checkpoint in the store.")
+    report_to: list[str] = Field(default_factory=list, description="e.g. ['wandb'] (WANDB_MODE=offline works).")
+    logs_root: str = Field(default="logs", description="Where run folders go.")
+    output_name: str = Field(default="train", description="Name of the checkpoint artifact.")
+
+    @model_validator(mode="after")
+    def _check_sharding(self) -> TrainConfig:
+        if self.fsdp and self.deepspeed:
+            raise ValueError(f"choose one of fsdp and deepspeed={self.deepspeed}, not both")
+        return self
+
+    def settings(self) -> DeviceSettings:
+        """What `device` means for this run (dtype, attention, memory savers)."""
+        return DeviceSettings.for_device(self.device)
+
+    def trainer_kwargs(self, output_dir: Path | str) -> dict[str, Any]:
+        """The `TrainingArguments` fields every TRL trainer shares (pure: `flywheel plan` shows them)."""
+        kwargs: dict[str, Any] = {
+            "output_dir": str(output_dir),
+            "max_steps": self.total_steps,
+            "learning_rate": self.learning_rate,
+            "warmup_steps": max(1, int(self.warmup_ratio * self.total_steps)) if self.warmup_ratio else 0,
+            "per_device_train_batch_size": self.batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "seed": self.seed,
+            "logging_steps": 1,
+            "logging_nan_inf_filter": False,  # The NaN guard must see a NaN, not a smoothed stand-in.
+            "save_strategy": "steps" if self.save_steps else "no",
+            "save_steps": self.save_steps or self.total_steps,
+            "save_total_limit": 2,  # The newest step checkpoint, and the one before while it is written.
+            "report_to": self.report_to or "none",
+            "disable_tqdm": not sys.stderr.isatty(),  # A progress bar on a terminal only.
+            **self.settings().trainer_kwargs(),
+        }
+        if self.deepspeed:  # DeepSpeed also runs on CPU (gloo), without `use_cpu`.
+            kwargs["deepspeed"] = str(DEEPSPEED_DIR / f"{self.deepspeed}.json")
+            kwargs.pop("use_cpu", None)
+        if self.fsdp:
+            kwargs["fsdp"] = "full_shard auto_wrap"
+        return kwargs
+
+
+class RunnerConfig(TrainConfig):
+    """RL / preference training on the environments: the `AtroposRunner` knobs (GRPO and DPO build on it)."""
+
+    algorithm: Literal["grpo", "dpo", "ppo"] = Field(default="grpo", description="RL / preference algorithm.")
+    ref_model: str | None = Field(default=None, description="KL reference; None means the initial policy.")
     kl_beta: float = Field(default=0.04, ge=0, description="KL penalty to the reference model.")
     allow_low_kl: bool = Field(default=False, description="Permit kl_beta below 0.01 (with a warning).")
-    total_steps: int = Field(default=10, ge=1, description="Optimizer steps.")
-    seed: int = Field(default=0, description="Seed.")
+    output_name: str = Field(default="rl", description="Name of the checkpoint artifact.")
     # -- rollouts
     envs: list[str] = Field(default=["tool_use_chain"], description="Environments to train on.")
-    num_rollouts_per_task: int = Field(default=4, ge=2, description="Completions per prompt (the GRPO group).")
+    num_rollouts_per_task: int = Field(default=4, ge=2, description="Completions per prompt (the group).")
     num_tasks: int = Field(default=64, ge=1, description="Distinct tasks in the training set.")
     difficulty: str | None = Field(default=None, description="Only tasks of this difficulty.")
     categories: list[str] | None = Field(default=None, description="Only tasks of these categories.")
@@ -52,21 +121,21 @@ class RunnerConfig(BaseModel):
     max_tool_calls: int = Field(default=8, ge=0, description="Tool-calling turns per rollout (env turns: this + 1).")
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature.")
     top_k: int = Field(default=10, ge=0, description="Top-k sampling (0: off); small models need it.")
-    # -- data (DPO)
-    dataset: str | None = Field(default=None, description="Preference pairs artifact (DPO).")
-    # -- hardware and logging
-    profile: Literal["cpu", "h100"] = Field(default="cpu", description="Hardware profile.")
-    num_threads: int = Field(default=1, ge=1, description="cpu profile: torch threads.")
-    use_vllm: bool = Field(default=False, description="h100: generate with vLLM.")
-    vllm_mode: Literal["server", "colocate"] = Field(default="colocate", description="vLLM beside or in-process.")
-    vllm_server_base_url: str | None = Field(default=None, description="server mode: the `vllm serve` URL.")
     rollouts_every: int = Field(default=5, ge=1, description="Save sampled rollouts every N steps.")
-    report_to: list[str] = Field(default_factory=list, description="e.g. ['wandb'] (WANDB_MODE=offline works).")
-    logs_root: str = Field(default="logs", description="Where run folders go.")
-    output_name: str = Field(default="rl", description="Name of the checkpoint artifact.")
 
     @model_validator(mode="after")
     def _check(self) -> RunnerConfig:
+        problems = self.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        if self.kl_beta < MIN_KL_BETA:
+            logger.warning(
+                "kl_beta=%s is below %s: the policy may drift far from the reference", self.kl_beta, MIN_KL_BETA
+            )
+        return self
+
+    def problems(self) -> list[str]:
+        """Everything wrong with the settings, each with what to set (subclasses add theirs)."""
         problems = []
         if self.kl_beta < MIN_KL_BETA and not self.allow_low_kl:
             problems.append(f"kl_beta={self.kl_beta} is below {MIN_KL_BETA}; raise it or set allow_low_kl=true")
@@ -79,21 +148,7 @@ class RunnerConfig(BaseModel):
             problems.append(
                 f"unknown envs {unknown}; known: {', '.join(ENVIRONMENTS)} (or module:Class, or a .py file)"
             )
-        if self.algorithm == "grpo" and self.ref_model not in (None, self.policy_model):
-            problems.append("GRPO's KL reference is the initial policy: leave ref_model empty or equal to policy_model")
-        if self.algorithm == "dpo" and not self.dataset:
-            problems.append("algorithm=dpo needs dataset (a preference-pairs artifact)")
-        if self.use_vllm and self.vllm_mode == "server" and not self.vllm_server_base_url:
-            problems.append("vllm_mode=server needs vllm_server_base_url")
-        if self.use_vllm and self.profile == "cpu":
-            problems.append("use_vllm needs the h100 profile (vLLM's wheel is CUDA-only)")
-        if problems:
-            raise ValueError("; ".join(problems))
-        if self.kl_beta < MIN_KL_BETA:
-            logger.warning(
-                "kl_beta=%s is below %s: the policy may drift far from the reference", self.kl_beta, MIN_KL_BETA
-            )
-        return self
+        return problems
 
 
 def load_config(model: type[BaseModel], path: str | Path | None, overrides: list[str] | None = None) -> Any:

@@ -1,25 +1,42 @@
-"""DPO with TRL's `DPOTrainer` on curated preference pairs (best vs worst rollout of a group).
+"""DPO with TRL's `DPOTrainer`: best vs worst rollout of a group, from curated pairs or sampled online.
 
     flywheel train dpo --config training/configs/dpo_tiny.yaml dataset=dataset/round1-pairs
+    flywheel train dpo --config training/configs/dpo_tiny.yaml dataset=null envs=[file_stats]
 
+With `dataset`, the pairs come from that artifact. Without one, the run samples them online:
+`num_rollouts_per_task` rollouts of each of `num_tasks` tasks through each env's own agent loop
+(as GRPO rolls out), then pairs best vs worst where their rewards differ (`data.curation`).
 Pairs are rendered to text with the model's chat template here (prompt with the generation
 prompt; chosen / rejected as the continuations), which keeps tool-call arguments as dicts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-import sys
 import time
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
 
 from data import ArtifactStore, Manifest
+from data.curation import preference_pair
+from training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
 from training.config import RunnerConfig
 from training.models import resolve_model
 from training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
 
 logger = logging.getLogger(__name__)
+
+
+class DPORunConfig(RunnerConfig):
+    """DPO: the runner knobs, and the pairs artifact (None: sample pairs online from `envs`)."""
+
+    algorithm: Literal["dpo"] = Field(default="dpo", description="Always dpo.")
+    dataset: str | None = Field(default=None, description="Preference pairs artifact; None samples them online.")
+    min_reward_gap: float = Field(default=0.5, ge=0, description="Online pairs: least reward gap of best vs worst.")
+    output_name: str = Field(default="dpo", description="Name of the checkpoint artifact.")
 
 
 def render_pairs(tokenizer: Any, pairs: list[dict[str, Any]]) -> dict[str, list[str]]:
@@ -37,62 +54,74 @@ def render_pairs(tokenizer: Any, pairs: list[dict[str, Any]]) -> dict[str, list[
     return out
 
 
-def run_dpo(cfg: RunnerConfig, store: ArtifactStore) -> Manifest:
-    """load -> build -> run -> save: DPO against the reference model on a pairs artifact."""
+def sample_pairs(
+    cfg: DPORunConfig, model: Any, tokenizer: Any, model_dir: Any, envs: list[Any] | None = None
+) -> list[dict[str, Any]]:
+    """Online pairs: a group of env-loop rollouts per task by the policy, best vs worst where they differ."""
+    from training.grpo import policy_envs, task_dataset
+    from training.rollouts import PolicyServer
+
+    agents = policy_envs(cfg, envs, model_dir, tokenizer)
+    server = PolicyServer(lambda: model, tokenizer, cfg.top_k, cfg.max_completion_length)
+    _, tasks = task_dataset(agents, cfg.num_tasks)
+    pairs = []
+    for task in tasks.values():
+        task.env.server = server
+        outcomes = asyncio.run(_group(task, cfg))
+        schemas, _ = task.env._resolve_tools_for_group()
+        group = [{"score": reward, "turns": result.turns_used, "messages": result.messages}
+                 for result, reward in outcomes if reward is not None and result.messages]  # fmt: skip
+        meta = {"tools": schemas, "item_id": task.item.get("item_id"), "env": task.env.name}
+        pair = preference_pair(group, meta, cfg.min_reward_gap) if len(group) >= 2 else None
+        if pair is not None:
+            pairs.append(pair)
+    logger.info("sampled %d preference pairs from %d tasks", len(pairs), len(tasks))
+    return pairs
+
+
+async def _group(task: Any, cfg: DPORunConfig) -> list[tuple[Any, float | None]]:
+    return [await task.env.run_agent(task.item, cfg.temperature) for _ in range(cfg.num_rollouts_per_task)]
+
+
+def run_dpo(
+    cfg: DPORunConfig, store: ArtifactStore, callbacks: list[Any] | None = None, envs: list[Any] | None = None
+) -> Manifest:
+    """load -> build -> run -> save: DPO against the reference model on stored or freshly sampled pairs
+    (`envs`: names or instances, as for GRPO)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    from training.grpo import save_checkpoint
-
     started = time.perf_counter()
-    if cfg.profile == "cpu":
+    settings = cfg.settings()
+    if settings.device == "cpu":
         torch.set_num_threads(cfg.num_threads)
-    assert cfg.dataset is not None  # RunnerConfig requires it for DPO.
     model_dir = resolve_model(cfg.policy_model, store)
-    pairs_text = store.read_bytes(cfg.dataset, "train.jsonl").decode()
-    pairs = [json.loads(line) for line in pairs_text.splitlines() if line.strip()]
-    if not pairs:
-        raise ValueError(f"dataset '{cfg.dataset}' has no preference pairs")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **settings.model_kwargs())
+    if cfg.dataset:
+        text = store.read_bytes(cfg.dataset, "train.jsonl").decode()
+        pairs = [json.loads(line) for line in text.splitlines() if line.strip()]
+    else:
+        pairs = sample_pairs(cfg, model, tokenizer, model_dir, envs)
+    if not pairs:
+        where = f"dataset '{cfg.dataset}'" if cfg.dataset else f"online sampling on {cfg.envs}"
+        raise ValueError(f"{where} gave no preference pairs (every group scored alike)")
     ref = resolve_model(cfg.ref_model, store) if cfg.ref_model else None
     run = RunDir(cfg.logs_root, cfg.output_name)
-    args = DPOConfig(
-        output_dir=str(run.checkpoints),
-        max_steps=cfg.total_steps,
-        learning_rate=cfg.learning_rate,
-        per_device_train_batch_size=cfg.batch_size,
-        beta=max(cfg.kl_beta, 1e-3),
-        seed=cfg.seed,
-        logging_steps=1,
-        logging_nan_inf_filter=False,
-        save_strategy="no",
-        report_to=cfg.report_to or "none",
-        disable_tqdm=not sys.stderr.isatty(),
-        **({"use_cpu": True, "bf16": False} if cfg.profile == "cpu" else {"bf16": True}),
-    )
+    parents = model_parents(store, cfg.policy_model, cfg.dataset)
     trainer = DPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-        ref_model=AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32) if ref else None,
-        args=args,
+        model=model,
+        ref_model=AutoModelForCausalLM.from_pretrained(ref, **settings.model_kwargs()) if ref else None,
+        args=DPOConfig(**cfg.trainer_kwargs(run.checkpoints), beta=max(cfg.kl_beta, 1e-3)),
         train_dataset=Dataset.from_dict(render_pairs(tokenizer, pairs)),
         processing_class=tokenizer,
-        callbacks=[MetricsCallback(run), NonFiniteGuard()],
+        callbacks=[MetricsCallback(run), NonFiniteGuard(), StepCheckpoints(store, cfg, parents), *(callbacks or [])],
     )
-    trainer.train()
-    return save_checkpoint(store, trainer, tokenizer, run, cfg, model_dir, started)
-
-
-def run_training(cfg: RunnerConfig, store: ArtifactStore) -> Manifest:
-    """Dispatch on `algorithm`; PPO is not shipped by TRL 1.16, so it fails naming the alternatives."""
-    if cfg.algorithm == "grpo":
-        from training.grpo import run_grpo
-
-        return run_grpo(cfg, store)
-    if cfg.algorithm == "dpo":
-        return run_dpo(cfg, store)
-    raise ValueError(
-        "algorithm=ppo is not available: TRL 1.16 ships no PPOTrainer (not even in trl.experimental). "
-        "Use algorithm=grpo (online RL on the environments) or algorithm=dpo (offline preference pairs)."
-    )
+    stopped = train(trainer, resume_from(store, cfg, run))
+    losses = [m["loss"] for m in run.read_metrics() if "loss" in m]
+    return finish(
+        store, trainer, run, cfg, model_dir, parents, started, stopped,
+        pairs=len(pairs), first_loss=losses[0] if losses else None, final_loss=losses[-1] if losses else None,
+    )  # fmt: skip

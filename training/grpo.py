@@ -11,17 +11,18 @@ no learning signal).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import sys
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
+from pydantic import Field
 from transformers import TrainerCallback
 
 from data import ArtifactStore, Manifest
 from environments.hermes_base_env import HermesAgentBaseEnv
 from environments.registry import env_class
+from training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
 from training.config import RunnerConfig
 from training.models import resolve_model
 from training.rollouts import Task, agent_rollout_func, prompt_key
@@ -74,42 +75,51 @@ class RewardDistributionWarning(TrainerCallback):
             )
 
 
-def grpo_args(cfg: RunnerConfig, output_dir: str) -> Any:
+class GRPORunConfig(RunnerConfig):
+    """GRPO on the environments: the runner knobs plus where generation runs."""
+
+    algorithm: Literal["grpo"] = Field(default="grpo", description="Always grpo.")
+    use_vllm: bool | None = Field(default=None, description="Generate with vLLM (None: on CUDA yes, on CPU no).")
+    vllm_mode: Literal["server", "colocate"] = Field(default="colocate", description="vLLM beside or in-process.")
+    vllm_server_base_url: str | None = Field(default=None, description="server mode: the `vllm serve` URL.")
+
+    def problems(self) -> list[str]:
+        problems = super().problems()
+        if self.ref_model not in (None, self.policy_model):
+            problems.append("GRPO's KL reference is the initial policy: leave ref_model empty or equal to policy_model")
+        if self.use_vllm and self.vllm_mode == "server" and not self.vllm_server_base_url:
+            problems.append("vllm_mode=server needs vllm_server_base_url")
+        if self.use_vllm and self.device == "cpu":
+            problems.append("use_vllm needs device=cuda (vLLM's wheel is CUDA-only)")
+        return problems
+
+    def vllm(self) -> bool:
+        """Whether generation runs on vLLM: as set, else wherever the run is on CUDA."""
+        return self.use_vllm if self.use_vllm is not None else self.settings().device == "cuda"
+
+
+def grpo_args(cfg: GRPORunConfig, output_dir: str) -> Any:
     """TRL `GRPOConfig` from the runner knobs."""
     from trl import GRPOConfig
 
     return GRPOConfig(**grpo_kwargs(cfg, output_dir))
 
 
-def grpo_kwargs(cfg: RunnerConfig, output_dir: str) -> dict[str, Any]:
-    """`GRPOConfig` fields for the profile (pure, so the GPU profile is checked on CPU machines)."""
+def grpo_kwargs(cfg: GRPORunConfig, output_dir: str) -> dict[str, Any]:
+    """`GRPOConfig` fields for the run's device (pure, so the CUDA settings are checked on CPU machines)."""
     args: dict[str, Any] = {
-        "output_dir": output_dir,
-        "max_steps": cfg.total_steps,
-        "learning_rate": cfg.learning_rate,
-        "warmup_steps": max(1, int(cfg.warmup_ratio * cfg.total_steps)) if cfg.warmup_ratio else 0,
-        "per_device_train_batch_size": cfg.batch_size,
+        **cfg.trainer_kwargs(output_dir),
         "num_generations": cfg.num_rollouts_per_task,
         "max_completion_length": cfg.max_completion_length,
         "beta": cfg.kl_beta,
         "scale_rewards": "group",
         "temperature": cfg.temperature,
         "top_k": cfg.top_k,
-        "seed": cfg.seed,
-        "logging_steps": 1,
-        "logging_nan_inf_filter": False,
-        "save_strategy": "no",
-        "report_to": cfg.report_to or "none",
-        "disable_tqdm": not sys.stderr.isatty(),  # A progress bar on a terminal only.
     }
-    if cfg.profile == "cpu":
-        args.update(use_cpu=True, bf16=False, gradient_checkpointing=False)
-    else:
-        args.update(bf16=True, gradient_checkpointing=True)
-        if cfg.use_vllm:
-            args.update(use_vllm=True, vllm_mode=cfg.vllm_mode)
-            if cfg.vllm_mode == "server":
-                args["vllm_server_base_url"] = cfg.vllm_server_base_url
+    if cfg.vllm():
+        args.update(use_vllm=True, vllm_mode=cfg.vllm_mode)
+        if cfg.vllm_mode == "server":
+            args["vllm_server_base_url"] = cfg.vllm_server_base_url
     return args
 
 
@@ -128,7 +138,7 @@ def task_dataset(envs: list[HermesAgentBaseEnv], num_tasks: int) -> tuple[Any, d
 
 
 def run_grpo(
-    cfg: RunnerConfig,
+    cfg: GRPORunConfig,
     store: ArtifactStore,
     callbacks: list[Any] | None = None,
     envs: list[HermesAgentBaseEnv | str] | None = None,
@@ -140,67 +150,49 @@ def run_grpo(
     from trl import GRPOTrainer
 
     started = time.perf_counter()
-    if cfg.profile == "cpu":
+    settings = cfg.settings()
+    if settings.device == "cpu":
         torch.set_num_threads(cfg.num_threads)
     model_dir = resolve_model(cfg.policy_model, store)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    overrides = {"difficulty": cfg.difficulty, "categories": cfg.categories, "seed": cfg.seed}
-    envs = [
-        env_class(env)(tokenizer_name=str(model_dir), **overrides) if isinstance(env, str) else env
-        for env in (envs or cfg.envs)
-    ]
-    for one in envs:
-        asyncio.run(one.setup())
-        one.config.tokenizer_name, one.tokenizer = str(model_dir), tokenizer  # The policy's own tokenizer.
-        one.config.max_agent_turns = min(one.config.max_agent_turns, cfg.max_tool_calls + 1)
+    agents = policy_envs(cfg, envs, model_dir, tokenizer)
     run = RunDir(cfg.logs_root, cfg.output_name)
-    dataset, tasks = task_dataset(envs, cfg.num_tasks)
+    dataset, tasks = task_dataset(agents, cfg.num_tasks)
+    parents = model_parents(store, cfg.policy_model)
     trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        model=AutoModelForCausalLM.from_pretrained(model_dir, **settings.model_kwargs()),
         reward_funcs=[env_reward(run, cfg.rollouts_every)],
         args=grpo_args(cfg, str(run.checkpoints)),
         train_dataset=dataset,
         processing_class=tokenizer,
         rollout_func=agent_rollout_func(tasks, cfg.temperature, cfg.max_completion_length),
-        callbacks=[MetricsCallback(run), NonFiniteGuard(), RewardDistributionWarning(), *(callbacks or [])],
-    )
-    trainer.train()
-    return save_checkpoint(store, trainer, tokenizer, run, cfg, model_dir, started)
-
-
-def save_checkpoint(
-    store: ArtifactStore, trainer: Any, tokenizer: Any, run: RunDir, cfg: RunnerConfig, model_dir: Any, started: float
-) -> Manifest:
-    """Save the trained policy and mirror the run folder into the store, with lineage and figures."""
-    from training.models import TRAINING_TEMPLATE_FILE
-
-    final_dir = run.checkpoints / "final"
-    trainer.save_model(str(final_dir))
-    tokenizer.save_pretrained(final_dir)
-    if (model_dir / TRAINING_TEMPLATE_FILE).exists():
-        (final_dir / TRAINING_TEMPLATE_FILE).write_text((model_dir / TRAINING_TEMPLATE_FILE).read_text())
+        callbacks=[
+            MetricsCallback(run), NonFiniteGuard(), RewardDistributionWarning(),
+            StepCheckpoints(store, cfg, parents), *(callbacks or []),
+        ],
+    )  # fmt: skip
+    stopped = train(trainer, resume_from(store, cfg, run))
     logged = run.read_metrics()
     rewards = [m["reward"] for m in logged if "reward" in m]
-    metrics = {
-        "algorithm": cfg.algorithm,
-        "steps": trainer.state.global_step,
-        "first_reward": rewards[0] if rewards else None,
-        "final_reward": rewards[-1] if rewards else None,
-        "kl": next((m["kl"] for m in reversed(logged) if "kl" in m), None),
-        "wall_seconds": round(time.perf_counter() - started, 1),
-        "device": "cpu" if cfg.profile == "cpu" else "cuda",
-    }
-    parents = [
-        p
-        for p in (
-            store.try_resolve(f"model/{cfg.policy_model}", cfg.policy_model),
-            cfg.dataset and store.resolve(cfg.dataset),
-        )
-        if p
+    return finish(
+        store, trainer, run, cfg, model_dir, parents, started, stopped,
+        first_reward=rewards[0] if rewards else None,
+        final_reward=rewards[-1] if rewards else None,
+        kl=next((m["kl"] for m in reversed(logged) if "kl" in m), None),
+    )  # fmt: skip
+
+
+def policy_envs(
+    cfg: RunnerConfig, envs: list[HermesAgentBaseEnv | str] | None, model_dir: Path, tokenizer: Any
+) -> list[HermesAgentBaseEnv]:
+    """The run's envs, set up, on the policy's own tokenizer, their turns capped by `max_tool_calls`."""
+    overrides = {"difficulty": cfg.difficulty, "categories": cfg.categories, "seed": cfg.seed}
+    built = [
+        env_class(env)(tokenizer_name=str(model_dir), **overrides) if isinstance(env, str) else env
+        for env in (envs or cfg.envs)
     ]
-    params = json.loads(cfg.model_dump_json())
-    manifest = store.put("checkpoint", cfg.output_name, final_dir, parents=parents, params=params, metrics=metrics)
-    store.put("run", cfg.output_name, run.path, parents=[manifest.id], metrics=metrics)
-    logger.info("%s %s: %d steps, reward %s -> %s", cfg.algorithm, cfg.output_name, metrics["steps"],
-                metrics["first_reward"], metrics["final_reward"])  # fmt: skip
-    return manifest
+    for one in built:
+        asyncio.run(one.setup())
+        one.config.tokenizer_name, one.tokenizer = str(model_dir), tokenizer
+        one.config.max_agent_turns = min(one.config.max_agent_turns, cfg.max_tool_calls + 1)
+    return built

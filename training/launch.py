@@ -10,13 +10,17 @@ import os
 import signal
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 
 from data import ArtifactStore, Manifest
 from data.store import STORE_ENV
-from training.sft import SFTRunConfig, launch_command
+from training.config import DEEPSPEED_DIR, TrainConfig
+
+# The `flywheel train` subcommand of each algorithm.
+TRAIN_COMMANDS = {"sft": "sft", "grpo": "rl", "dpo": "dpo"}
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +51,33 @@ def run_logged(command: list[str], env: dict[str, str] | None = None, tail_lines
         raise LaunchError(f"{' '.join(command[:4])} ... exited {code}:\n" + "\n".join(tail))
 
 
-def launch_sft(cfg: SFTRunConfig, store: ArtifactStore, num_gpus: int) -> Manifest:
-    """SFT on `num_gpus` GPUs with `accelerate launch` (DeepSpeed `cfg.deepspeed`); returns its checkpoint."""
+def launch_command(
+    cfg: TrainConfig, config_file: str, num_gpus: int, overrides: Sequence[str] = (), store_url: str | None = None
+) -> list[str]:
+    """The `accelerate launch` argv that trains `cfg` (saved as `config_file`, plus `key=value` overrides)
+    on `num_gpus` GPUs, sharded as it says (ZeRO, FSDP or plain DDP), saving into `store_url` (None: the
+    launched process's own default); pure: nothing runs."""
+    command = ["accelerate", "launch", "--num_processes", str(num_gpus), "--num_machines", "1"]
+    if cfg.deepspeed:
+        command += [
+            "--config_file",
+            str(DEEPSPEED_DIR / "accelerate_multi_gpu.yaml"),
+            "--deepspeed_config_file",
+            str(DEEPSPEED_DIR / f"{cfg.deepspeed}.json"),
+        ]
+    elif cfg.fsdp:
+        command += ["--config_file", str(DEEPSPEED_DIR / "accelerate_fsdp.yaml")]
+    else:
+        command.append("--multi_gpu")
+    store = ["--store", store_url] if store_url else []
+    train = TRAIN_COMMANDS[cfg.algorithm]
+    return [*command, "-m", "flows.cli", *store, "train", train, "--config", config_file, *overrides]
+
+
+def launch(cfg: TrainConfig, store: ArtifactStore, num_gpus: int) -> Manifest:
+    """Train `cfg` on `num_gpus` GPUs with `accelerate launch`; returns its checkpoint's manifest."""
     with tempfile.TemporaryDirectory() as tmp:
-        config_file = Path(tmp, "sft.yaml")
+        config_file = Path(tmp, f"{cfg.algorithm}.yaml")
         config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-        run_logged(launch_command(str(config_file), num_gpus, cfg.deepspeed), env={**os.environ, STORE_ENV: store.url})
+        run_logged(launch_command(cfg, str(config_file), num_gpus), env={**os.environ, STORE_ENV: store.url})
     return store.manifest(f"checkpoint/{cfg.output_name}")

@@ -3,11 +3,12 @@
 TRL's `rollout_func` hook hands us the batch's prompts; every prompt is one rollout of its task,
 run by the env's `run_agent` (the same `HermesAgentLoop`, tools, sandbox, parser and verifier
 as `process` mode and evaluation) with `PolicyServer` standing in for the inference server: it
-generates with the policy being trained. The conversation is tokenised with the env's own
-`tokenize_conversation`; its first assistant token starts the completion, and `env_mask` keeps
-only the model's tokens in the loss (tool results and user turns are context). The env's
-reward goes to the reward function as `env_reward`; an infra failure scores `None` (TRL drops
-it from the group's statistics) rather than 0.
+generates with the policy being trained (in-process on CPU, TRL's vLLM engine on CUDA), each
+reply capped by the env's per-turn `max_token_length` and the run's `max_completion_length`.
+The conversation is tokenised with the env's own `tokenize_conversation`; its first assistant
+token starts the completion, and `env_mask` keeps only the model's tokens in the loss (tool
+results and user turns are context). The env's reward goes to the reward function as
+`env_reward`; an infra failure scores `None` (TRL drops it from the group's statistics), not 0.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -24,43 +26,69 @@ from environments.messages import messages_with_dict_arguments
 
 
 class PolicyServer:
-    """The policy under training as atroposlib's `chat_completion` surface (in-process generation)."""
+    """The policy under training as atroposlib's `chat_completion` surface.
 
-    def __init__(self, trainer: Any, top_k: int, max_new_tokens: int) -> None:
-        self.trainer = trainer
-        self.tokenizer = trainer.processing_class
+    It generates in-process with `model()` (the current weights), or with TRL's vLLM engine when
+    `vllm` is given (TRL pushes the trainer's weights into it before each step's rollouts).
+    """
+
+    def __init__(
+        self, model: Callable[[], Any], tokenizer: Any, top_k: int, max_new_tokens: int, vllm: Any = None
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
         self.top_k = top_k
         self.max_new_tokens = max_new_tokens
+        self.vllm = vllm
         self._lock = threading.Lock()  # One generate at a time: they share the model.
+
+    @classmethod
+    def of_trainer(cls, trainer: Any, max_new_tokens: int) -> PolicyServer:
+        """The policy a TRL trainer is training (its vLLM engine when the trainer uses one)."""
+        return cls(
+            lambda: trainer.accelerator.unwrap_model(trainer.model),
+            trainer.processing_class,
+            trainer.args.top_k,
+            max_new_tokens,
+            vllm=trainer.vllm_generation if getattr(trainer, "use_vllm", False) else None,
+        )
 
     async def chat_completion(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
         return await asyncio.to_thread(self._generate, messages, kwargs)
 
     def _generate(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> Any:
-        import torch
-
         prompt = self.tokenizer.apply_chat_template(
             messages_with_dict_arguments(messages), tools=kwargs.get("tools") or None,
             tokenize=False, add_generation_prompt=True,
         )  # fmt: skip
-        inputs = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
-        temperature = float(kwargs.get("temperature", 1.0))
-        with self._lock, torch.no_grad():
-            model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-            inputs = inputs.to(model.device)
+        prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        max_new = min(int(kwargs.get("max_tokens") or self.max_new_tokens), self.max_new_tokens)
+        with self._lock:
+            if self.vllm is not None:
+                new = list(self.vllm.generate([prompt_ids], None, 1)[1][0])[:max_new]
+            else:
+                new = self._generate_in_process(prompt_ids, float(kwargs.get("temperature", 1.0)), max_new)
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        message = SimpleNamespace(role="assistant", content=text, tool_calls=None)
+        usage = SimpleNamespace(prompt_tokens=len(prompt_ids), completion_tokens=len(new))
+        return SimpleNamespace(choices=[SimpleNamespace(message=message, finish_reason="stop")], usage=usage)
+
+    def _generate_in_process(self, prompt_ids: list[int], temperature: float, max_new: int) -> list[int]:
+        import torch
+
+        model = self.model()
+        inputs = torch.tensor([prompt_ids], device=model.device)
+        with torch.no_grad():
             output = model.generate(
-                **inputs,
+                input_ids=inputs,
+                attention_mask=torch.ones_like(inputs),
                 do_sample=temperature > 0,
                 temperature=temperature if temperature > 0 else None,
                 top_k=self.top_k or None,
-                max_new_tokens=min(int(kwargs.get("max_tokens") or self.max_new_tokens), self.max_new_tokens),
+                max_new_tokens=max_new,
                 pad_token_id=self.tokenizer.pad_token_id,
             )
-        new = output[0, inputs["input_ids"].shape[1] :]
-        text = self.tokenizer.decode(new, skip_special_tokens=True)
-        message = SimpleNamespace(role="assistant", content=text, tool_calls=None)
-        usage = SimpleNamespace(prompt_tokens=int(inputs["input_ids"].shape[1]), completion_tokens=int(new.shape[0]))
-        return SimpleNamespace(choices=[SimpleNamespace(message=message, finish_reason="stop")], usage=usage)
+        return output[0, inputs.shape[1] :].tolist()
 
 
 @dataclass
@@ -80,7 +108,7 @@ def agent_rollout_func(tasks: dict[str, Task], temperature: float, max_completio
     """TRL `rollout_func(prompts, trainer)`: one env-loop rollout per prompt (see module docstring)."""
 
     def rollout(prompts: list[list[dict[str, Any]]], trainer: Any) -> dict[str, list[Any]]:
-        server = PolicyServer(trainer, trainer.args.top_k, max_completion_length)
+        server = PolicyServer.of_trainer(trainer, max_completion_length)
         batch = [tasks[prompt_key(prompt)] for prompt in prompts]
         outcomes = asyncio.run(_run_all(batch, server, temperature))
         out: dict[str, Any] = {k: [] for k in ("prompt_ids", "completion_ids", "env_mask")}

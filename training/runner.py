@@ -12,8 +12,8 @@
 a registered name / `module:Class` / file path, or a list of those. The env is given the
 policy's tokenizer. A run writes `logs/run-<date>-<time>-<name>/` with `metrics.jsonl` (loss /
 reward / kl), `rollouts/` (sampled rollouts every `rollouts_every` steps) and `checkpoints/`, and
-puts the checkpoint in the artifact store with lineage. Every other keyword is a `RunnerConfig`
-field; an unknown one is an error.
+puts the checkpoint in the artifact store with lineage. Every other keyword is a field of the
+algorithm's config (`GRPORunConfig`, `DPORunConfig`); an unknown one is an error.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from data import ArtifactStore, Manifest
 from environments.adapter import StepEnvAdapter
 from environments.base import BaseEnvironment
 from environments.hermes_base_env import HermesAgentBaseEnv
-from training.config import ConfigError, RunnerConfig
+from training.config import ConfigError
+from training.registry import algorithm as algorithm_entry
+from training.registry import run_training
 
 
 class AtroposRunner:
@@ -55,12 +57,12 @@ class AtroposRunner:
             config["num_tasks"] = built_in[0].config.total_steps
         if ref_model == policy_model:
             ref_model = None  # GRPO's reference is the initial policy: the same model, said twice.
+        config_class = algorithm_entry(algorithm).config_class()
         try:
-            self.config = RunnerConfig(
+            self.config = config_class(
                 envs=names,
                 policy_model=policy_model,
                 ref_model=ref_model,
-                algorithm=algorithm,
                 batch_size=batch_size,
                 learning_rate=learning_rate,
                 kl_beta=kl_beta,
@@ -74,13 +76,7 @@ class AtroposRunner:
 
     def run(self) -> Manifest:
         """Train; returns the checkpoint's manifest (the run folder is stored beside it)."""
-        if self.config.algorithm == "grpo":
-            from training.grpo import run_grpo
-
-            return run_grpo(self.config, self.store, envs=self.envs)
-        from training.dpo import run_training
-
-        return run_training(self.config, self.store)
+        return run_training(self.config, self.store, envs=self.envs)
 
 
 def _agent_env(env: BaseEnvironment) -> Any:

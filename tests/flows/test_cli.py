@@ -215,13 +215,13 @@ def test_printed_paths_do_not_wrap_when_piped(local_store: ArtifactStore, tmp_pa
 
 def test_multi_gpu_dry_run_carries_every_override_and_the_store(tmp_path: Path) -> None:
     store = str(tmp_path / "store")
-    result = run("train", "sft", "--store", store, "--config", SFT_CONFIG, "--gpus", "2", "--dry-run", "max_steps=5",
+    result = run("train", "sft", "--store", store, "--config", SFT_CONFIG, "--gpus", "2", "--dry-run", "total_steps=5",
                  "learning_rate=1e-4")  # fmt: skip
     assert result.returncode == 0, result.stderr
     command = result.stdout.split()
     assert command[:4] == ["accelerate", "launch", "--num_processes", "2"]
     assert command[command.index("-m") + 1 :] == ["flows.cli", "--store", store, "train", "sft", "--config",
-                                                  SFT_CONFIG, "max_steps=5", "learning_rate=1e-4"]  # fmt: skip
+                                                  SFT_CONFIG, "total_steps=5", "learning_rate=1e-4"]  # fmt: skip
 
 
 def test_verify_reports_then_cleans_staging_leftovers(tmp_path: Path) -> None:

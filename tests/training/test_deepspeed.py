@@ -28,7 +28,7 @@ model_dir, stage, logs = Path(sys.argv[1]), (None if sys.argv[2] == "none" else 
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
 rows = [conversation(a, b) for a in range(4) for b in range(2)]
 data = tokenize_rows(tokenizer, rows, training_template(model_dir, tokenizer), 128)
-cfg = SFTRunConfig(dataset="x", max_steps=4, batch_size=2, learning_rate=1e-3, max_length=128,
+cfg = SFTRunConfig(dataset="x", device="cpu", total_steps=4, batch_size=2, learning_rate=1e-3, max_length=128,
                    deepspeed=stage, warmup_ratio=0.0)
 run = RunDir(logs, stage or "plain")
 model = AutoModelForCausalLM.from_pretrained(model_dir)

@@ -1,4 +1,4 @@
-"""DPO runs on curated pairs; PPO fails clearly; every shipped config loads; the train CLI."""
+"""DPO on curated and online pairs; PPO fails clearly; every shipped config loads via the registry; the train CLI."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from data import ArtifactStore
-from training.config import ConfigError, RunnerConfig, load_config
-from training.dpo import render_pairs, run_training
-from training.sft import SFTRunConfig, launch_command
+from training.config import ConfigError, load_config
+from training.dpo import DPORunConfig, render_pairs
+from training.launch import launch_command
+from training.registry import ALGORITHMS, load_run_config, run_training
+from training.sft import SFTRunConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "training" / "configs").glob("*.yaml"))
 
@@ -37,7 +39,7 @@ def test_dpo_trains_on_a_pairs_artifact(model_store: ArtifactStore, tiny_model: 
     pairs = model_store.put(
         "dataset", "pairs-test", {"train.jsonl": "".join(json.dumps(_pair(a)) + "\n" for a in range(8))}
     )
-    cfg = RunnerConfig(algorithm="dpo", dataset="dataset/pairs-test", total_steps=4, batch_size=4,
+    cfg = DPORunConfig(dataset="dataset/pairs-test", total_steps=4, batch_size=4,
                        num_rollouts_per_task=2, learning_rate=1e-3, kl_beta=0.1, logs_root=str(tmp_path),
                        output_name="dpo-test")  # fmt: skip
     manifest = run_training(cfg, model_store)
@@ -48,20 +50,23 @@ def test_dpo_trains_on_a_pairs_artifact(model_store: ArtifactStore, tiny_model: 
 
 
 def test_ppo_fails_naming_the_alternatives(model_store: ArtifactStore) -> None:
-    with pytest.raises(ValueError, match="algorithm=grpo.*algorithm=dpo"):
-        run_training(RunnerConfig(algorithm="ppo"), model_store)
+    with pytest.raises(ConfigError, match="algorithm=grpo.*algorithm=dpo"):
+        load_run_config(None, ["algorithm=ppo"])
+    with pytest.raises(ConfigError, match="unknown algorithm 'a2c': choose sft, grpo, dpo"):
+        load_run_config(None, ["algorithm=a2c"])
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_loads_and_documents_its_command(path: Path) -> None:
     first = path.read_text().splitlines()[0]
     assert first.startswith("# ") and ("flywheel train" in first or "accelerate launch" in first)
-    model = SFTRunConfig if path.name.startswith("sft") else RunnerConfig
-    assert load_config(model, path) is not None
+    cfg = load_run_config(path, default="sft" if path.name.startswith("sft") else "grpo")
+    assert isinstance(cfg, ALGORITHMS[cfg.algorithm].config_class())
+    assert cfg.algorithm == path.name.split("_")[0]
 
 
 def test_launch_command_for_multi_gpu_sft() -> None:
-    command = launch_command("cfg.yaml", 8, "zero3")
+    command = launch_command(SFTRunConfig(dataset="d", deepspeed="zero3"), "cfg.yaml", 8)
     assert command[:4] == ["accelerate", "launch", "--num_processes", "8"]
     assert any(part.endswith("zero3.json") for part in command)
     assert command[-6:] == ["-m", "flows.cli", "train", "sft", "--config", "cfg.yaml"]
@@ -78,4 +83,4 @@ def test_train_cli_dry_run_and_config_errors(tmp_path: Path) -> None:
     assert_one_line_error(bad, "kl_beta=0.001 is below 0.01; raise it or set allow_low_kl=true")
     assert FLYWHEEL
     with pytest.raises(ConfigError, match="cannot read"):
-        load_config(RunnerConfig, tmp_path / "missing.yaml")
+        load_config(SFTRunConfig, tmp_path / "missing.yaml")

@@ -14,8 +14,8 @@ import torch
 from data import ArtifactStore
 from environments.registry import env_class
 from environments.tool_context import live_task_ids
-from training.config import ConfigError, RunnerConfig, load_config
-from training.grpo import RewardDistributionWarning, env_reward, grpo_args, task_dataset
+from training.config import ConfigError, load_config
+from training.grpo import GRPORunConfig, RewardDistributionWarning, env_reward, grpo_args, task_dataset
 from training.rollouts import agent_rollout_func
 from training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
 
@@ -26,16 +26,16 @@ def test_config_validation_reports_every_problem(tmp_path: Path) -> None:
     path = tmp_path / "rl.yaml"
     path.write_text("kl_beta: 0.001\nbatch_size: 3\nnum_rollouts_per_task: 2\nenvs: [atari]\n")
     with pytest.raises(ConfigError) as err:
-        load_config(RunnerConfig, path)
+        load_config(GRPORunConfig, path)
     message = str(err.value)
     assert "kl_beta=0.001 is below 0.01; raise it or set allow_low_kl=true" in message
     assert "batch_size=3 must be a multiple" in message and "unknown envs ['atari']" in message
-    cfg = load_config(RunnerConfig, path, ["allow_low_kl=true", "batch_size=4", "envs=[swe_bench]"])
+    cfg = load_config(GRPORunConfig, path, ["allow_low_kl=true", "batch_size=4", "envs=[swe_bench]"])
     assert cfg.kl_beta == 0.001 and cfg.envs == ["swe_bench"]
     with pytest.raises(ConfigError, match="unknown field"):
-        load_config(RunnerConfig, None, ["learning_rat=1"])
+        load_config(GRPORunConfig, None, ["learning_rat=1"])
     with pytest.raises(ConfigError, match="key=value"):
-        load_config(RunnerConfig, None, ["oops"])
+        load_config(GRPORunConfig, None, ["oops"])
 
 
 def test_grpo_improves_a_toy_reward(tiny_model: Path, tmp_path: Path) -> None:
@@ -55,7 +55,7 @@ def test_grpo_improves_a_toy_reward(tiny_model: Path, tmp_path: Path) -> None:
     def toy_reward(completion_ids, **_):  # type: ignore[no-untyped-def]
         return [sum(t == target for t in c) / max(1, len(c)) for c in completion_ids]
 
-    cfg = RunnerConfig(
+    cfg = GRPORunConfig(
         total_steps=10,
         batch_size=8,
         num_rollouts_per_task=8,
@@ -113,7 +113,9 @@ def _train_one_step(envs: list, tiny_model: Path, tmp_path: Path, reply) -> tupl
     for env in envs:
         asyncio.run(env.setup())
         env.tokenizer = tokenizer
-    cfg = RunnerConfig(total_steps=1, batch_size=2, num_rollouts_per_task=2, max_completion_length=160, temperature=0.7)
+    cfg = GRPORunConfig(
+        total_steps=1, batch_size=2, num_rollouts_per_task=2, max_completion_length=160, temperature=0.7, device="cpu"
+    )
     run, flat = RunDir(tmp_path, "env"), RewardDistributionWarning()
     dataset, tasks = task_dataset(envs, 4)
     trainer = GRPOTrainer(
@@ -185,7 +187,7 @@ def test_run_grpo_stores_a_checkpoint_with_lineage(
 ) -> None:
     from training.grpo import run_grpo
 
-    cfg = RunnerConfig(
+    cfg = GRPORunConfig(
         total_steps=1,
         batch_size=2,
         num_rollouts_per_task=2,
@@ -215,7 +217,7 @@ def test_grpo_vllm_generation_server_command(tiny_model: Path) -> None:
     assert command[-6:] == GRPO_VLLM_SERVER_ARGS and config.env == {"VLLM_SERVER_DEV_MODE": "1"}
     from training.grpo import grpo_kwargs
 
-    args = grpo_kwargs(RunnerConfig(profile="h100", use_vllm=True, vllm_mode="server",
-                                  vllm_server_base_url="http://127.0.0.1:8000"), "/tmp/x")  # fmt: skip
+    args = grpo_kwargs(GRPORunConfig(device="cuda", use_vllm=True, vllm_mode="server",
+                                   vllm_server_base_url="http://127.0.0.1:8000"), "/tmp/x")  # fmt: skip
     assert args["use_vllm"] and args["vllm_mode"] == "server" and args["bf16"] and "use_cpu" not in args
     assert args["vllm_server_base_url"] == "http://127.0.0.1:8000" and args["beta"] == 0.04

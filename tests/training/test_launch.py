@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from training.launch import LaunchError, run_logged
-from training.sft import launch_command
+from training.launch import LaunchError, launch_command, run_logged
+from training.sft import SFTRunConfig
 
 SFT_CONFIG = str(Path(__file__).resolve().parents[2] / "training" / "configs" / "sft_tiny.yaml")
 
@@ -66,11 +66,11 @@ def _alive(pid: int) -> bool:
 
 
 def test_launch_command_carries_every_override_and_the_store() -> None:
-    command = launch_command("cfg.yaml", 2, None, ["max_steps=5", "learning_rate=1e-4"], "s3://bucket/runs")
+    command = launch_command(SFTRunConfig(dataset="d"), "cfg.yaml", 2, ["total_steps=5", "learning_rate=1e-4"], "s3://bucket/runs")
     assert command[:4] == ["accelerate", "launch", "--num_processes", "2"] and "--multi_gpu" in command
     cli = command[command.index("-m") + 1 :]
     assert cli == ["flows.cli", "--store", "s3://bucket/runs", "train", "sft", "--config", "cfg.yaml",
-                   "max_steps=5", "learning_rate=1e-4"]  # fmt: skip
+                   "total_steps=5", "learning_rate=1e-4"]  # fmt: skip
 
 
 def _run_launched_process(command: list[str]) -> subprocess.CompletedProcess[str]:
@@ -80,12 +80,13 @@ def _run_launched_process(command: list[str]) -> subprocess.CompletedProcess[str
 
 
 def test_the_launched_process_trains_with_the_overrides(tmp_path: Path) -> None:
-    result = _run_launched_process(launch_command(SFT_CONFIG, 2, None, ["max_steps=0"], str(tmp_path)))
+    command = launch_command(SFTRunConfig(dataset="d"), SFT_CONFIG, 2, ["total_steps=0"], str(tmp_path))
+    result = _run_launched_process(command)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert result.stderr.startswith("error: ") and "max_steps" in result.stderr
+    assert result.stderr.startswith("error: ") and "total_steps" in result.stderr
 
 
 def test_the_launched_process_saves_into_the_given_store() -> None:
-    result = _run_launched_process(launch_command(SFT_CONFIG, 2, None, [], "ftp://elsewhere/store"))
+    result = _run_launched_process(launch_command(SFTRunConfig(dataset="d"), SFT_CONFIG, 2, [], "ftp://elsewhere/store"))
     assert result.returncode == 1, result.stdout + result.stderr
     assert result.stderr.startswith("error: ") and "ftp://elsewhere/store" in result.stderr

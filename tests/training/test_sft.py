@@ -79,9 +79,9 @@ def test_sft_moves_the_loss_and_the_weights(
     from safetensors.torch import load_file
 
     cfg = SFTRunConfig(
-        model="tiny",
+        policy_model="tiny",
         dataset=str(sft_rows),
-        max_steps=20,
+        total_steps=20,
         batch_size=4,
         learning_rate=5e-3,
         max_length=128,
@@ -118,7 +118,7 @@ def test_nan_guard_stops_a_poisoned_run_and_keeps_the_last_good_checkpoint(tiny_
         return output * torch.where(hit, torch.tensor(float("nan")), torch.tensor(1.0))
 
     model.get_input_embeddings().register_forward_hook(poisoned)
-    cfg = SFTRunConfig(dataset="x", max_steps=8, batch_size=1, max_length=128, save_steps=2)
+    cfg = SFTRunConfig(dataset="x", total_steps=8, batch_size=1, max_length=128, save_steps=2)
     run = RunDir(tmp_path, "nan")
     trainer = SFTTrainer(
         model=model,
@@ -146,7 +146,7 @@ def test_wandb_reporting_works_offline_without_a_key(
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    cfg = SFTRunConfig(dataset=str(sft_rows), max_steps=2, batch_size=2, max_length=128, report_to=["wandb"],
+    cfg = SFTRunConfig(dataset=str(sft_rows), total_steps=2, batch_size=2, max_length=128, report_to=["wandb"],
                        logs_root=str(tmp_path / "logs"), output_name="sft-wandb")  # fmt: skip
     assert run_sft(cfg, model_store).metrics["steps"] == 2
     assert list((tmp_path / "wandb").glob("offline-run-*"))

@@ -58,7 +58,7 @@ def test_sft_teaches_smollm2_to_call_tools(tmp_path: Path) -> None:
 
     before = _valid_tool_calls(base, held_out, schemas)
     cfg = SFTRunConfig(
-        model="smollm2", dataset=str(data), max_steps=8, batch_size=4, learning_rate=2e-4, max_length=640,
+        policy_model="smollm2", dataset=str(data), total_steps=8, batch_size=4, learning_rate=2e-4, max_length=640,
         num_threads=2, logs_root=str(tmp_path / "logs"), output_name="sft-smollm2",
     )  # fmt: skip
     manifest = run_sft(cfg, store)

@@ -1,0 +1,60 @@
+"""Where a stage runs decides how: one place maps a device to dtype, attention, memory savers and backends.
+
+Every trainer, the inference server and `flywheel plan` read `DeviceSettings`, so no stage
+hard-codes a device: on CUDA, bf16, flash attention when installed (else SDPA), gradient
+checkpointing and vLLM; on CPU, fp32, `use_cpu`, explicit threads and `transformers serve`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+Device = Literal["cpu", "cuda"]
+DeviceChoice = Literal["auto", "cpu", "cuda"]
+
+
+def resolve_device(choice: str) -> Device:
+    """`auto` is CUDA when torch sees a GPU, else CPU; `cpu` / `cuda` are taken as given."""
+    if choice in ("cpu", "cuda"):
+        return choice  # type: ignore[return-value]
+    if choice != "auto":
+        raise ValueError(f"unknown device '{choice}': choose auto, cpu or cuda")
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class DeviceSettings:
+    """What running on `device` means for training and serving."""
+
+    device: Device
+    dtype: str
+    bf16: bool
+    gradient_checkpointing: bool
+    attn_implementation: str
+    server_backend: Literal["transformers", "vllm"]
+
+    @classmethod
+    def for_device(cls, choice: str) -> DeviceSettings:
+        device = resolve_device(choice)
+        if device == "cpu":
+            return cls("cpu", "float32", False, False, "sdpa", "transformers")
+        flash = importlib.util.find_spec("flash_attn") is not None
+        return cls("cuda", "bfloat16", True, True, "flash_attention_2" if flash else "sdpa", "vllm")
+
+    def trainer_kwargs(self) -> dict[str, Any]:
+        """The `transformers.TrainingArguments` fields (shared by TRL's SFT, GRPO and DPO configs)."""
+        kwargs: dict[str, Any] = {"bf16": self.bf16, "gradient_checkpointing": self.gradient_checkpointing}
+        if self.device == "cpu":
+            kwargs["use_cpu"] = True
+        return kwargs
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """`from_pretrained` keywords: the weights dtype and attention kernel."""
+        return {"dtype": self.dtype, "attn_implementation": self.attn_implementation}
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

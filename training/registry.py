@@ -1,0 +1,81 @@
+"""Algorithm -> (config class, runner): the one table `flywheel train`, `AtroposRunner` and the round use.
+
+    cfg = load_run_config("training/configs/grpo_tiny.yaml", ["total_steps=20"])
+    manifest = run_training(cfg, store)
+
+Configs live beside their trainers (TRL-style); this module only names them and imports the
+one a run asks for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from data import ArtifactStore, Manifest
+from training.config import ConfigError, TrainConfig, load_config
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """Where an algorithm's config class and runner function live (`module:name`)."""
+
+    config: str
+    runner: str
+
+    def config_class(self) -> type[TrainConfig]:
+        return _load(self.config)
+
+    def runner_function(self) -> Any:
+        return _load(self.runner)
+
+
+ALGORITHMS: dict[str, Algorithm] = {
+    "sft": Algorithm("training.sft:SFTRunConfig", "training.sft:run_sft"),
+    "grpo": Algorithm("training.grpo:GRPORunConfig", "training.grpo:run_grpo"),
+    "dpo": Algorithm("training.dpo:DPORunConfig", "training.dpo:run_dpo"),
+}
+NOT_SHIPPED = {
+    "ppo": "algorithm=ppo is not available: TRL 1.16 ships no PPOTrainer (not even in trl.experimental). "
+    "Use algorithm=grpo (online RL on the environments) or algorithm=dpo (preference pairs, stored or sampled online)."
+}
+
+
+def algorithm(name: str) -> Algorithm:
+    """The registered algorithm `name`, or a `ConfigError` naming the ones there are."""
+    if name in NOT_SHIPPED:
+        raise ConfigError(NOT_SHIPPED[name])
+    if name not in ALGORITHMS:
+        raise ConfigError(f"unknown algorithm '{name}': choose {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[name]
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] | None = None, default: str = "grpo") -> TrainConfig:
+    """The config a YAML file plus `key=value` overrides describe, of the class its `algorithm` names."""
+    name = default
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            loaded = None  # `load_config` reports the problem in full.
+        if isinstance(loaded, dict) and isinstance(loaded.get("algorithm"), str):
+            name = loaded["algorithm"]
+    for override in overrides or []:
+        key, _, value = override.partition("=")
+        if key.strip() == "algorithm":
+            name = value.strip()
+    return load_config(algorithm(name).config_class(), path, overrides)
+
+
+def run_training(cfg: TrainConfig, store: ArtifactStore, **kwargs: Any) -> Manifest:
+    """Run `cfg` with its algorithm's trainer (`kwargs`: callbacks, and envs for RL)."""
+    return algorithm(cfg.algorithm).runner_function()(cfg, store, **kwargs)
+
+
+def _load(location: str) -> Any:
+    module, _, name = location.partition(":")
+    return getattr(importlib.import_module(module), name)
