@@ -441,6 +441,20 @@ def report(
 # -- the flywheel --------------------------------------------------------------------------------
 
 
+@app.command("plan")
+def plan(
+    profile: Annotated[str, typer.Option(help="Round profile: default | quick | tiny | h100.")] = "default",
+    device: Annotated[str | None, typer.Option(help="cpu | cuda (default: the profile's; auto: what is here).")] = None,
+    as_json: JsonOption = True,
+) -> None:
+    """Print, as JSON, what each stage of a round would run (device, dtype, server, trainer, GPUs, pool)."""
+    from flows.plan import round_plan
+
+    if device not in (None, "auto", "cpu", "cuda"):
+        raise ConfigError(f"unknown device '{device}': choose cpu, cuda or auto")
+    _print_json(round_plan(profile, device))
+
+
 @app.command("round")
 def run_round(
     rounds: Annotated[int, typer.Option(help="Rounds to run.")] = 1,

@@ -18,7 +18,7 @@ from flows.dispatch import Dispatch, result_storage, run_stage
 from flows.profiles import PROFILES, ProfileName, RoundProfile
 from flows.stages import evaluate
 from training.config import ConfigError
-from training.models import prepare_model
+from training.models import base_model
 
 
 @flow(name="flywheel", flow_run_name="flywheel-{profile}")
@@ -50,7 +50,7 @@ def flywheel(
     report_id = ""
     for n in range(first, first + rounds):
         if n == 1 and store.try_resolve("gate/gate-r0") is None:  # Judge the starting model, so the gate has a bar.
-            start = store.try_resolve("champion", f"model/{p.model}") or prepare_model(p.model, store).id
+            start = store.try_resolve("champion", f"model/{p.model}") or base_model(p.model, store).id
             base_eval = stage("evaluate", work.EvaluateParams, round_no=0, model=start, name="agentic-base")
             stage("gate", work.GateParams, round_no=0, evals=[base_eval], candidate=start)
         base, mix = round_inputs(store, n, p)

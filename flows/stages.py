@@ -32,6 +32,12 @@ from flows.work import (
 )
 
 GPU_STAGES = frozenset({"sft", "rl", "evaluate"})
+POOLS = {"gpu": "h100", "cpu": "cpu"}  # The work pools of prefect.yaml and `flywheel infra setup`.
+
+
+def stage_pool(name: str) -> str:
+    """The work pool a stage's deployment runs on."""
+    return POOLS["gpu" if name in GPU_STAGES else "cpu"]
 
 
 def stage_flow(name: str) -> Callable[[Callable[..., str]], Any]:

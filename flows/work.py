@@ -146,12 +146,14 @@ def _hardware(p: RoundProfile) -> dict[str, Any]:
     return {"device": p.device, "num_threads": p.threads, "save_steps": p.save_steps} | (sharding if p.gpus > 1 else {})
 
 
-def server_config(p: RoundProfile, model_dir: str) -> ServerConfig:
-    """How a stage serves a model: `vllm serve` across the stage's GPUs on CUDA, `transformers serve` on CPU."""
+def server_config(p: RoundProfile, model_dir: str, planned: bool = False) -> ServerConfig:
+    """How a stage serves a model: `vllm serve` across the stage's GPUs on CUDA, `transformers serve` on CPU
+    (`planned`: for `flywheel plan`, whose model directory does not exist yet)."""
     settings = DeviceSettings.for_device(p.device)
+    fields: dict[str, Any] = {"model": model_dir}
     if settings.server_backend == "vllm":
-        return ServerConfig(model=model_dir, backend="vllm", dtype=settings.dtype, data_parallel_size=max(1, p.gpus))
-    return ServerConfig(model=model_dir)
+        fields |= {"backend": "vllm", "dtype": settings.dtype, "data_parallel_size": max(1, p.gpus)}
+    return ServerConfig.model_validate(fields, context={"planned": planned})
 
 
 def sft(params: SFTParams, callbacks: list[Any] | None = None) -> Manifest:

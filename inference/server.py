@@ -25,7 +25,7 @@ from types import TracebackType
 from typing import Literal
 
 import httpx
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, model_validator
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +81,9 @@ class ServerConfig(BaseModel):
             raise ServerError(f"invalid server config: {problems}") from err
 
     @model_validator(mode="after")
-    def _check_model_dir(self) -> ServerConfig:
-        if not Path(self.model, "config.json").exists():
+    def _check_model_dir(self, info: ValidationInfo) -> ServerConfig:
+        planned = bool(info.context and info.context.get("planned"))  # `flywheel plan`: nothing is served.
+        if not planned and not Path(self.model, "config.json").exists():
             raise ValueError(f"model directory '{self.model}' has no config.json")
         return self
 

@@ -76,6 +76,19 @@ def resolve_model(spec: str, store: ArtifactStore, cache_dir: Path | None = None
     return _from_hf_cache(spec)
 
 
+def base_model(spec: str, store: ArtifactStore) -> Manifest:
+    """The store artifact `model/<spec>` a round starts from: a built-in is built once; a local
+    directory or a Hugging Face id in the local cache (an H100 round's 0.5-8B model) is stored as is."""
+    if spec in BUILTIN_MODELS:
+        return prepare_model(spec, store)
+    try:
+        return store.manifest(f"model/{spec}")
+    except ArtifactNotFound:
+        pass
+    folder = resolve_model(spec, store)
+    return store.put("model", spec, folder, params={"source": spec})
+
+
 def prepare_model(
     name: str, store: ArtifactStore, force: bool = False, progress: Callable[[int], None] | None = None
 ) -> Manifest:

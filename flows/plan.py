@@ -1,0 +1,67 @@
+"""`flywheel plan`: what each stage of a round would run, as JSON, without running anything.
+
+The plan is built by the same functions the stages call (`work.sft_config`, `work.rl_config`,
+`work.server_config`, the trainers' argument builders and `accelerate` / server command lines),
+so what it prints is what a round on that device does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flows import work
+from flows.profiles import PROFILES, RoundProfile
+from flows.stages import GPU_STAGES, STAGES, stage_pool
+from inference import build_command
+from training.config import ConfigError
+from training.device import DeviceSettings, resolve_device
+from training.grpo import grpo_kwargs
+from training.launch import launch_command
+from training.sft import sft_kwargs
+
+RUN_DIR = "logs/run-<stamp>-<name>/checkpoints"
+
+
+def round_plan(profile: str, device: str | None = None) -> dict[str, Any]:
+    """Every stage of a round of `profile` on `device` (None: the profile's, `auto` resolved here)."""
+    if profile not in PROFILES:
+        raise ConfigError(f"unknown profile '{profile}': choose {', '.join(PROFILES)}")
+    p = PROFILES[profile]
+    p = p.model_copy(update={"device": resolve_device(device or p.device)})
+    settings = DeviceSettings.for_device(p.device)
+    common: dict[str, Any] = {"round_no": 1, "profile": p}
+    sft = work.sft_config(work.SFTParams(**common, base=f"model/{p.model}", dataset="<round-1 SFT dataset>"))
+    rl = work.rl_config(work.RLParams(**common, policy="<round-1 SFT checkpoint>"))
+    server = work.server_config(p, f"<model/{p.model}>", planned=True)
+    stages: dict[str, dict[str, Any]] = {name: _placement(name, p, settings) for name in STAGES}
+    stages["generate"] |= {"teacher": p.teacher, "envs": [p.env], "groups": p.groups}
+    if p.teacher == "policy":
+        stages["generate"] |= _served(server, p, settings)
+    for name, cfg, kwargs, trainer in (
+        ("sft", sft, sft_kwargs(sft, RUN_DIR), "trl.SFTTrainer"),
+        ("rl", rl, grpo_kwargs(rl, RUN_DIR), "trl.GRPOTrainer"),
+    ):
+        stages[name] |= {
+            "trainer": trainer,
+            "dtype": settings.dtype,
+            "attn_implementation": settings.attn_implementation,
+            "config": cfg.model_dump(mode="json"),
+            "trainer_args": kwargs,
+            "launch": launch_command(cfg, f"<{name} config>.yaml", p.gpus) if p.gpus > 1 else None,
+        }
+    stages["rl"]["generation"] = f"vllm {rl.vllm_mode}" if rl.vllm() else "in-process (transformers generate)"
+    stages["evaluate"] |= _served(server, p, settings) | {"eval_size": p.eval_size, "max_turns": p.eval_max_turns}
+    return {"profile": profile, "device": p.device, "model": p.model, "gpus": p.gpus, "stages": stages}
+
+
+def _placement(name: str, p: RoundProfile, settings: DeviceSettings) -> dict[str, Any]:
+    """Where a stage runs: its work pool, device and GPUs (CPU stages run on CPU on any profile)."""
+    gpu = name in GPU_STAGES
+    return {"pool": stage_pool(name), "device": settings.device if gpu else "cpu", "gpus": p.gpus if gpu else 0}
+
+
+def _served(server: Any, p: RoundProfile, settings: DeviceSettings) -> dict[str, Any]:
+    return {
+        "device": settings.device,
+        "server": {"backend": server.backend, "dtype": server.dtype, "command": build_command(server, 8000)},
+    }

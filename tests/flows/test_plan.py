@@ -1,0 +1,75 @@
+"""`flywheel plan`: the h100 plan is a GPU plan, the cpu plan a CPU one, built from the stages' own configs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from flows import work
+from flows.plan import round_plan
+from flows.profiles import PROFILES
+from flows.stages import GPU_STAGES, STAGES
+from training.config import ConfigError
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string value in a JSON value, flattened."""
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return [value] if isinstance(value, str) else []
+
+
+def test_the_h100_plan_has_no_cpu_setting() -> None:
+    plan = round_plan("h100")
+    assert plan["device"] == "cuda" and plan["gpus"] == 8 and set(plan["stages"]) == set(STAGES)
+    for name in GPU_STAGES:
+        stage = plan["stages"][name]
+        assert stage["device"] == "cuda" and stage["pool"] == "h100" and stage["gpus"] == 8, name
+    for name in ("sft", "rl"):
+        stage = plan["stages"][name]
+        args = stage["trainer_args"]
+        assert "use_cpu" not in args and args["bf16"] and args["gradient_checkpointing"], name
+        assert stage["dtype"] == "bfloat16" and args["deepspeed"].endswith("zero3.json"), name
+        assert stage["launch"][:4] == ["accelerate", "launch", "--num_processes", "8"], name
+    assert plan["stages"]["rl"]["trainer_args"]["use_vllm"] and plan["stages"]["rl"]["generation"] == "vllm colocate"
+    command = plan["stages"]["evaluate"]["server"]["command"]
+    assert command[:2] == ["vllm", "serve"] and command[command.index("--data-parallel-size") + 1] == "8"
+    assert "bfloat16" in command and not any("transformers" in s for s in _strings(plan["stages"]))
+
+
+def test_the_cpu_plan_has_no_cuda_setting() -> None:
+    plan = round_plan("default", "cpu")
+    assert {stage["device"] for stage in plan["stages"].values()} == {"cpu"}
+    strings = _strings(plan)
+    assert not any("cuda" in s or "vllm" in s or "bfloat16" in s for s in strings)
+    for name in ("sft", "rl"):
+        args = plan["stages"][name]["trainer_args"]
+        assert args["use_cpu"] and not args["bf16"] and plan["stages"][name]["launch"] is None
+        assert not any("vllm" in key for key in args), name
+    assert plan["stages"]["evaluate"]["server"]["command"][:2] == ["transformers", "serve"]
+
+
+def test_a_device_override_turns_a_profile_around() -> None:
+    """The profile sizes stay, the device settings follow the device: the plan and the stages share one source."""
+    on_gpu = round_plan("default", "cuda")
+    assert on_gpu["stages"]["sft"]["trainer_args"]["bf16"] and on_gpu["stages"]["sft"]["config"]["total_steps"] == 20
+    p = PROFILES["default"].model_copy(update={"device": "cuda"})
+    cfg = work.sft_config(work.SFTParams(profile=p, base="b", dataset="d"))
+    assert on_gpu["stages"]["sft"]["config"] == {**cfg.model_dump(mode="json"), "policy_model": "model/smollm2",
+                                                 "dataset": "<round-1 SFT dataset>"}  # fmt: skip
+
+
+def test_plan_cli_prints_json_and_rejects_unknown_names() -> None:
+    from tests.flows.test_cli import assert_one_line_error, run
+
+    result = run("plan", "--profile", "h100", "--device", "cuda")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["stages"]["sft"]["device"] == "cuda"
+    assert_one_line_error(run("plan", "--profile", "h200"), "unknown profile 'h200'")
+    assert_one_line_error(run("plan", "--device", "tpu"), "unknown device 'tpu'")
+    with pytest.raises(ConfigError, match="unknown profile"):
+        round_plan("laptop")
