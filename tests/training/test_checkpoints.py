@@ -1,0 +1,107 @@
+"""Step checkpoints: a SIGKILLed SFT or GRPO run continues from its last one with no repeated or skipped
+step; a NaN mid-GRPO leaves the last good one as the run's output."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from data import ArtifactStore
+from tests.training.test_sft import conversation
+from training.checkpoints import resume_key, step_ref
+from training.config import TrainConfig
+from training.grpo import GRPORunConfig
+from training.registry import run_training
+from training.sft import SFTRunConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Trains the config given as JSON and SIGKILLs itself right after step `kill_at`'s checkpoint is mirrored.
+_KILLED_RUN = """
+import json, os, signal, sys
+from transformers import TrainerCallback
+from data import ArtifactStore
+from training.registry import algorithm, run_training
+
+class KillAfterSave(TrainerCallback):
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == int(sys.argv[3]):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+data = json.loads(sys.argv[1])
+cfg = algorithm(data["algorithm"]).config_class().model_validate(data)
+run_training(cfg, ArtifactStore(sys.argv[2]), callbacks=[KillAfterSave()])
+"""
+
+
+def _configs(tiny_model: Path, tmp_path: Path) -> dict[str, TrainConfig]:
+    rows = tmp_path / "sft.jsonl"
+    rows.write_text("".join(json.dumps(conversation(a, b)) + "\n" for a in range(4) for b in range(2)))
+    common = {"policy_model": str(tiny_model), "total_steps": 4, "save_steps": 1, "device": "cpu",
+              "warmup_ratio": 0.0, "logs_root": str(tmp_path / "first")}  # fmt: skip
+    return {
+        "sft": SFTRunConfig(**common, dataset=str(rows), batch_size=2, max_length=128, output_name="sft-kill"),
+        "grpo": GRPORunConfig(
+            **common, envs=["file_stats"], batch_size=2, num_rollouts_per_task=2, num_tasks=8,
+            max_completion_length=48, max_tool_calls=1, output_name="grpo-kill",
+        ),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["sft", "grpo"])
+def test_a_sigkilled_run_continues_from_its_last_step_checkpoint(tiny_model: Path, tmp_path: Path, name: str) -> None:
+    cfg = _configs(tiny_model, tmp_path)[name]
+    store = ArtifactStore(tmp_path / "store")
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_RUN, cfg.model_dump_json(), str(tmp_path / "store"), "2"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert store.manifest(step_ref(cfg)).params["step"] == 2
+    assert store.try_resolve(f"checkpoint/{cfg.output_name}") is None
+
+    again = cfg.model_copy(update={"logs_root": str(tmp_path / "again")})  # Another machine: nothing local.
+    assert resume_key(again) == resume_key(cfg)
+    manifest = run_training(again, store)
+    assert manifest.metrics["steps"] == 4
+    logged = [json.loads(line) for line in next((tmp_path / "again").glob("run-*")).joinpath("metrics.jsonl").open()]
+    assert [m["step"] for m in logged if "loss" in m] == [1, 2, 3, 4]  # Steps 1-2 carried over, 3-4 trained.
+    fresh = cfg.model_copy(update={"learning_rate": cfg.learning_rate * 2, "logs_root": str(tmp_path / "fresh")})
+    assert step_ref(fresh) != step_ref(cfg)  # Other settings never continue this run's checkpoint.
+
+
+def test_a_nan_mid_grpo_leaves_the_last_good_checkpoint_as_the_output(
+    model_store: ArtifactStore, tiny_model: Path, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+
+    class PoisonAfterStep2(TrainerCallback):
+        """From step 3 the training forward pass (not sampling, which runs without grad) turns NaN (TRL's fused
+        log-prob head reads the final norm's output, so that is where the NaN goes in)."""
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):  # type: ignore[no-untyped-def]
+            if state.global_step == 2:
+                model.model.norm.register_forward_hook(
+                    lambda module, inputs, out: out * float("nan") if torch.is_grad_enabled() else out
+                )
+
+    cfg = _configs(tiny_model, tmp_path)["grpo"].model_copy(update={"output_name": "grpo-nan", "resume": False})
+    manifest = run_training(cfg, model_store, callbacks=[PoisonAfterStep2()])
+    assert "step 3" in manifest.metrics["stopped_early"] and "step-2" in manifest.metrics["stopped_early"]
+    assert manifest.metrics["steps"] == 3
+    run = next((tmp_path / "first").glob("run-*"))
+    weights = load_file(str(model_store.materialize(manifest.id, tmp_path / "out") / "model.safetensors"))
+    step2 = load_file(str(run / "checkpoints" / "checkpoint-2" / "model.safetensors"))
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert all(torch.equal(weights[k], step2[k]) for k in step2)
+    assert "optimizer.pt" not in model_store.manifest(manifest.id).files
+    losses = {m["step"]: m["loss"] for m in map(json.loads, run.joinpath("metrics.jsonl").open()) if "loss" in m}
+    assert math.isfinite(losses[2]) and not math.isfinite(losses[3])
