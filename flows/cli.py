@@ -459,7 +459,8 @@ def plan(
 def run_round(
     rounds: Annotated[int, typer.Option(help="Rounds to run.")] = 1,
     quick: Annotated[bool, typer.Option(help="Profile `quick`: the tiny model, minutes instead of SmolLM2.")] = False,
-    profile: Annotated[str, typer.Option(help="default | quick | tiny.")] = "default",
+    profile: Annotated[str, typer.Option(help="default | quick | tiny | h100.")] = "default",
+    device: Annotated[str | None, typer.Option(help="cpu | cuda | auto: where GPU stages run.")] = None,
     dispatch: Annotated[str, typer.Option(help="local (in-process) | deployments (each stage on its pool).")] = "local",
     first_round: Annotated[
         int | None, typer.Option(help="Start here (default: after the last finished round).")
@@ -474,9 +475,13 @@ def run_round(
         raise ConfigError(f"unknown profile '{profile}': choose {', '.join(PROFILES)}")
     if dispatch not in ("local", "deployments"):
         raise ConfigError(f"unknown dispatch '{dispatch}': choose local or deployments")
+    if device not in (None, "auto", "cpu", "cuda"):
+        raise ConfigError(f"unknown device '{device}': choose cpu, cuda or auto")
+    sizes = PROFILES[profile].model_copy(update={"device": device}) if device else None
     report_id = flywheel(
-        rounds=rounds, profile=profile, store_url=state.store_url, dispatch=dispatch, first_round=first_round
-    )
+        rounds=rounds, profile=profile, store_url=state.store_url, dispatch=dispatch, first_round=first_round,
+        sizes=sizes,
+    )  # fmt: skip
     store = state.store
     out = store.materialize(report_id, default_cache_dir() / "reports")
     console.print(store.read_bytes(report_id, "summary.md").decode(), soft_wrap=True, highlight=False)

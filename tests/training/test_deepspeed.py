@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO-2, ZeRO-3 and ZeRO-3-offload on CPU: 4 SFT steps each, losses match a plain run."""
+"""DeepSpeed ZeRO-2, ZeRO-3 and ZeRO-3-offload on CPU: the ZeRO engine runs at its stage, and 4 SFT steps
+each match a plain run's losses."""
 
 from __future__ import annotations
 
@@ -35,11 +36,15 @@ model = AutoModelForCausalLM.from_pretrained(model_dir)
 trainer = SFTTrainer(model=model, args=trainer_args(cfg, run.checkpoints), train_dataset=Dataset.from_dict(data),
                      processing_class=tokenizer, callbacks=[MetricsCallback(run)])
 trainer.train()
+engine = trainer.model_wrapped
+stage = engine.zero_optimization_stage() if type(engine).__name__ == "DeepSpeedEngine" else None
+offload = bool(stage and engine.zero_offload_optimizer() and engine.zero_offload_optimizer().device != "none")
+print("ENGINE " + json.dumps([type(engine).__name__, stage, offload]))
 print("LOSSES " + json.dumps([m["loss"] for m in run.read_metrics() if "loss" in m]))
 """
 
 
-def _losses(tiny_model: Path, stage: str, tmp_path: Path) -> list[float]:
+def _losses(tiny_model: Path, stage: str, tmp_path: Path) -> tuple[list[float], list]:
     env = {
         **os.environ,
         "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
@@ -50,13 +55,15 @@ def _losses(tiny_model: Path, stage: str, tmp_path: Path) -> list[float]:
         capture_output=True, text=True, env=env, timeout=900, cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("LOSSES "))
-    return json.loads(line.removeprefix("LOSSES "))
+    lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines()
+             if line.startswith(("LOSSES ", "ENGINE "))}  # fmt: skip
+    return lines["LOSSES"], lines["ENGINE"]
 
 
 def test_zero_stages_match_a_plain_run(tiny_model: Path, tmp_path: Path) -> None:
-    plain = _losses(tiny_model, "none", tmp_path)
-    assert len(plain) == 4 and plain[-1] < plain[0]
-    for stage in ("zero2", "zero3", "zero3_offload"):
-        losses = _losses(tiny_model, stage, tmp_path)
+    plain, engine = _losses(tiny_model, "none", tmp_path)
+    assert len(plain) == 4 and plain[-1] < plain[0] and engine[0] != "DeepSpeedEngine"
+    for stage, expected in (("zero2", [2, False]), ("zero3", [3, False]), ("zero3_offload", [3, True])):
+        losses, engine = _losses(tiny_model, stage, tmp_path)
+        assert engine == ["DeepSpeedEngine", *expected], stage  # The ZeRO engine ran, at the configured stage.
         assert losses == pytest.approx(plain, rel=1e-4), stage

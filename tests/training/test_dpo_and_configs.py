@@ -84,3 +84,38 @@ def test_train_cli_dry_run_and_config_errors(tmp_path: Path) -> None:
     assert FLYWHEEL
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(SFTRunConfig, tmp_path / "missing.yaml")
+
+
+def test_online_dpo_pairs_the_best_and_worst_rollout_of_each_group(tiny_model: Path) -> None:
+    """Pairs sampled with the env's own loop and verifier: one rollout of each group solves the task, one gives up."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.training.test_grpo import _count_lines_like_the_oracle, _script_generation
+    from training.dpo import sample_pairs
+
+    starts = iter(range(1000))
+
+    def half_solve(conversation: str) -> str:
+        starting = "<tools>" in conversation and "<tool_response>" not in conversation  # Not the judge's prompt.
+        if starting and next(starts) % 2:
+            return "I cannot do this."
+        return _count_lines_like_the_oracle(conversation)
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    _script_generation(model, tokenizer, half_solve)
+    cfg = DPORunConfig(envs=["file_stats"], num_tasks=2, num_rollouts_per_task=2, batch_size=2, device="cpu")
+    pairs = sample_pairs(cfg, model, tokenizer, tiny_model)
+    assert len(pairs) == 2
+    for pair in pairs:
+        assert pair["meta"]["chosen_reward"] >= 0.8 and pair["meta"]["rejected_reward"] == 0.0
+        assert "write_file" in json.dumps(pair["chosen"]) and pair["rejected"][0]["content"] == "I cannot do this."
+    assert render_pairs(tokenizer, pairs)["prompt"][0].endswith("<|im_start|>assistant\n")
+
+
+def test_online_dpo_without_any_reward_gap_fails_clearly(model_store: ArtifactStore, tmp_path: Path) -> None:
+    cfg = DPORunConfig(envs=["file_stats"], num_tasks=1, num_rollouts_per_task=2, batch_size=2, device="cpu",
+                       max_completion_length=8, max_tool_calls=0, logs_root=str(tmp_path))  # fmt: skip
+    with pytest.raises(ValueError, match=r"online sampling on \['file_stats'\] gave no preference pairs"):
+        run_training(cfg, model_store)
