@@ -23,6 +23,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,6 +153,7 @@ class LocalSandbox:
         try:
             if self.isolated:
                 os.chmod(base, 0o711)  # The sandbox uid may traverse, not list.
+                _sweep_once(base)
                 self._lease = jail.UidLease(base.parent / f"{base.name}.uids")
                 limits = self.limits
                 jail.mount_workspace(self.workspace, self._lease.uid, limits.workspace_bytes, limits.max_inodes)
@@ -288,6 +290,21 @@ class LocalSandbox:
         if self.workspace.exists():  # Not a mount (unisolated): `rm` walks without recursion limits.
             subprocess.run(["chmod", "-R", "u+rwx", str(self.workspace)], capture_output=True, check=False)
             subprocess.run(["rm", "-rf", "--one-file-system", str(self.workspace)], capture_output=True, check=False)
+
+
+_SWEPT: set[Path] = set()
+_SWEEP_LOCK = threading.Lock()
+
+
+def _sweep_once(base: Path) -> None:
+    """Once per process and root: unmount workspaces a killed process left mounted (they hold RAM)."""
+    with _SWEEP_LOCK:
+        if base in _SWEPT:
+            return
+        _SWEPT.add(base)
+        swept = jail.sweep_stale_workspaces(base, base.parent / f"{base.name}.uids")
+    if swept:
+        logger.warning("unmounted %d workspaces that killed sandboxes left under %s", swept, base)
 
 
 def _collect(process: subprocess.Popen[bytes], timeout: float, cap: int) -> tuple[bytes, bool, bool]:

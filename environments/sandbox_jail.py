@@ -82,6 +82,43 @@ def unmount_workspace(path: Path) -> None:
         path.rmdir()
 
 
+def workspace_mounts(base: Path) -> list[tuple[Path, int]]:
+    """The tmpfs workspaces mounted directly under `base`, with the uid each was made for."""
+    found, base = [], base.resolve()
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        point = Path(left.split()[4].replace("\\040", " "))  # mountinfo writes a space as \040.
+        fstype, _source, options = [*right.split(), "", "", ""][:3]
+        uid = next((int(o[4:]) for o in options.split(",") if o.startswith("uid=") and o[4:].isdigit()), None)
+        if fstype == "tmpfs" and point.parent == base and uid is not None:
+            found.append((point, uid))
+    return found
+
+
+def sweep_stale_workspaces(base: Path, lock_dir: Path) -> int:
+    """Unmount the workspaces of sandboxes that died without cleaning up; returns how many.
+
+    A workspace is mounted only while its uid is leased, and the kernel drops a dead holder's
+    `flock`: a mount whose uid lock can be taken has no live sandbox. The lock is held while the
+    mount goes, so no new sandbox can lease that uid meanwhile.
+    """
+    swept = 0
+    for point, uid in workspace_mounts(base):
+        fd = os.open(lock_dir / f"{uid}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # A live sandbox.
+        try:
+            kill_uid(uid)
+            unmount_workspace(point)
+            swept += 1
+        finally:
+            os.close(fd)
+    return swept
+
+
 class Cgroup:
     """A per-sandbox memory + pids cgroup (v2, or v1 hierarchies); absent when the machine has none."""
 

@@ -226,3 +226,38 @@ def test_setuid_escalation_is_not_possible(box: LocalSandbox) -> None:
 
 def test_kill_uid_helper_ignores_unknown_uids() -> None:
     assert _kill_uid(4_000_000) is False
+
+
+_DIE_WITH_A_MOUNTED_WORKSPACE = """
+import os, signal, sys
+from pathlib import Path
+from environments.sandbox import LocalSandbox
+box = LocalSandbox("killed", root=Path(sys.argv[1]))
+box.write_file("big.bin", "x" * 1000)
+print(box.workspace, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@isolated
+def test_workspaces_a_killed_process_left_mounted_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from environments import sandbox_jail as jail
+
+    root = tmp_path / "boxes"
+    killed = subprocess.run([sys.executable, "-c", _DIE_WITH_A_MOUNTED_WORKSPACE, str(root)], capture_output=True,
+                            text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    assert killed.returncode == -9, killed.stderr
+    stale = Path(killed.stdout.strip())
+    assert stale in [point for point, _ in jail.workspace_mounts(root)]
+    live = LocalSandbox("live", root=root)  # The first sandbox of a process on a root sweeps it.
+    try:
+        mounted = [point for point, _ in jail.workspace_mounts(root)]
+        assert stale not in mounted and not stale.exists() and live.workspace in mounted
+        assert jail.sweep_stale_workspaces(root, root.parent / f"{root.name}.uids") == 0  # Its uid lock is held.
+        assert live.run("echo ok").output.strip() == "ok"
+    finally:
+        live.cleanup()
+    assert jail.workspace_mounts(root) == []
