@@ -67,6 +67,18 @@ class ProgressArtifact(TrainerCallback):
         if state.max_steps:
             update_progress_artifact(self.artifact_id, 100.0 * state.global_step / state.max_steps)
 
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        """The step's headline figures in the run log (the full set is in the run's metrics.jsonl)."""
+        shown = {k: round(v, 4) for k, v in (logs or {}).items() if isinstance(v, int | float) and _headline(k)}
+        if shown:
+            get_run_logger().info("step %d: %s", state.global_step, json.dumps(shown))
+
+
+def _headline(key: str) -> bool:
+    return key in ("loss", "reward", "reward_std", "frac_reward_zero_std", "kl", "tokens_per_second") or (
+        key.startswith("rewards/") and key.endswith(("/mean", "/std")) and key.count("/") == 2
+    )
+
 
 class EvalProgress:
     """`progress(env, done, total)` for the agentic eval: a run-log line every tenth and a progress bar per env."""

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,10 +45,37 @@ GRPO_VLLM_SERVER_ARGS = [
 GRPO_VLLM_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
 
-def env_reward(run: RunDir, every: int) -> Any:
+class RewardStats(TrainerCallback):
+    """Adds each env's reward mean/std and the step's tokens per second to the step's log (so to
+    metrics.jsonl and the Prefect run); list it before the callbacks that write the log."""
+
+    def __init__(self) -> None:
+        self.rewards: dict[str, list[float]] = defaultdict(list)
+        self._tokens = 0.0
+
+    def record(self, envs: list[str], rewards: list[float | None]) -> None:
+        for env, reward in zip(envs, rewards, strict=True):
+            if reward is not None:  # An infra failure is not a score.
+                self.rewards[env].append(reward)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if not logs or "reward" not in logs:
+            return
+        for env, values in self.rewards.items():
+            logs[f"rewards/{env}/mean"] = statistics.fmean(values)
+            logs[f"rewards/{env}/std"] = statistics.pstdev(values)
+        self.rewards.clear()
+        if logs.get("num_tokens") and logs.get("step_time"):
+            logs["tokens_per_second"] = (logs["num_tokens"] - self._tokens) / logs["step_time"]
+            self._tokens = logs["num_tokens"]
+
+
+def env_reward(run: RunDir, every: int, stats: RewardStats | None = None) -> Any:
     """TRL reward function: the env's own reward of each rollout; samples are saved every `every` steps."""
 
     def flywheel_env_reward(prompts, completions, env_reward, trainer_state, **extra: Any) -> list[float | None]:  # type: ignore[no-untyped-def]
+        if stats is not None and "env" in extra:
+            stats.record(extra["env"], env_reward)
         if trainer_state.global_step % every == 0:
             samples = [
                 {"prompt": p, "completion": c, "reward": r, "task_completed": done}
@@ -159,15 +188,16 @@ def run_grpo(
     run = RunDir(cfg.logs_root, cfg.output_name)
     dataset, tasks = task_dataset(agents, cfg.num_tasks)
     parents = model_parents(store, cfg.policy_model)
+    stats = RewardStats()
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir, **settings.model_kwargs()),
-        reward_funcs=[env_reward(run, cfg.rollouts_every)],
+        reward_funcs=[env_reward(run, cfg.rollouts_every, stats)],
         args=grpo_args(cfg, str(run.checkpoints)),
         train_dataset=dataset,
         processing_class=tokenizer,
         rollout_func=agent_rollout_func(tasks, cfg.temperature, cfg.max_completion_length),
         callbacks=[
-            MetricsCallback(run), NonFiniteGuard(), RewardDistributionWarning(),
+            stats, MetricsCallback(run), NonFiniteGuard(), RewardDistributionWarning(),
             StepCheckpoints(store, cfg, parents), *(callbacks or []),
         ],
     )  # fmt: skip

@@ -204,6 +204,9 @@ def test_run_grpo_stores_a_checkpoint_with_lineage(
     assert manifest.params["kl_beta"] == 0.04
     run_dir = next(tmp_path.glob("run-*"))
     assert (run_dir / "metrics.jsonl").exists() and any((run_dir / "rollouts").iterdir())
+    step = next(json.loads(line) for line in (run_dir / "metrics.jsonl").open() if "reward" in json.loads(line))
+    assert step["rewards/tool_use_chain/mean"] == step["reward"] and step["rewards/tool_use_chain/std"] >= 0
+    assert step["tokens_per_second"] > 0 and 0 <= step["frac_reward_zero_std"] <= 1 and "kl" in step
 
 
 def test_grpo_vllm_generation_server_command(tiny_model: Path) -> None:
