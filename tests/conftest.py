@@ -82,3 +82,11 @@ def tiny_model(model_store: ArtifactStore, model_cache: Path) -> Path:
     from training.models import resolve_model
 
     return resolve_model("tiny", model_store, model_cache)
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(model_store: ArtifactStore, model_cache: Path) -> Path:
+    """SmolLM2-135M-Instruct converted from the shipped GGUF once per session, as a local HF directory."""
+    from training.models import resolve_model
+
+    return resolve_model("smollm2", model_store, model_cache)

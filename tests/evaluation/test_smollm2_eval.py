@@ -9,13 +9,11 @@ import pytest
 
 from data import ArtifactStore
 from evaluation.lm_eval_runner import LMEvalConfig, run_lm_eval
-from training.models import resolve_model
 
 
 @pytest.mark.slow
-def test_smollm2_on_the_shipped_suite(tmp_path: Path) -> None:
-    store = ArtifactStore(tmp_path / "store")
-    model_dir = resolve_model("smollm2", store, tmp_path / "cache")
+def test_smollm2_on_the_shipped_suite(model_store: ArtifactStore, smollm2_model: Path) -> None:
+    store, model_dir = model_store, smollm2_model
     started = time.perf_counter()
     manifest = run_lm_eval(LMEvalConfig(suite_size=20, batch_size=8), store, model_dir, store.resolve("model/smollm2"))
     results = store.read_json(manifest.id, "results.json")["results"]

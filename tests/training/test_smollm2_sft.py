@@ -13,7 +13,6 @@ from data import ArtifactStore
 from data.curation import curate
 from environments.tool_call_parsers import get_parser
 from environments.tool_use_chain import ToolUseChainEnv
-from training.models import resolve_model
 from training.sft import SFTRunConfig, run_sft
 
 KNOWN_TOOLS = {"terminal", "read_file", "write_file", "list_files"}
@@ -38,10 +37,9 @@ def _valid_tool_calls(model_dir: Path, prompts: list[list[dict]], tools: list[di
 
 
 @pytest.mark.slow
-def test_sft_teaches_smollm2_to_call_tools(tmp_path: Path) -> None:
+def test_sft_teaches_smollm2_to_call_tools(model_store: ArtifactStore, smollm2_model: Path, tmp_path: Path) -> None:
     torch.set_num_threads(2)
-    store = ArtifactStore(tmp_path / "store")
-    base = resolve_model("smollm2", store, tmp_path / "cache")
+    store, base = model_store, smollm2_model
     env = ToolUseChainEnv(tokenizer_name=str(base), teacher="oracle", group_size=1, difficulty="easy")
 
     async def trajectories() -> tuple[list[dict], list[list[dict]], list[dict]]:
@@ -58,7 +56,7 @@ def test_sft_teaches_smollm2_to_call_tools(tmp_path: Path) -> None:
 
     before = _valid_tool_calls(base, held_out, schemas)
     cfg = SFTRunConfig(
-        policy_model="smollm2", dataset=str(data), total_steps=8, batch_size=4, learning_rate=2e-4, max_length=640,
+        policy_model=str(base), dataset=str(data), total_steps=8, batch_size=4, learning_rate=2e-4, max_length=640,
         num_threads=2, logs_root=str(tmp_path / "logs"), output_name="sft-smollm2",
     )  # fmt: skip
     manifest = run_sft(cfg, store)
