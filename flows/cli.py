@@ -337,6 +337,9 @@ def evaluate(
     batch_size: Annotated[int, typer.Option(help="Fixed batch size.")] = 8,
     suite: Annotated[str, typer.Option(help="flywheel (lm-eval suite) | agentic (the envs) | all.")] = "flywheel",
     eval_size: Annotated[int, typer.Option(help="agentic: held-out tasks per env.")] = 8,
+    max_infra_failure_rate: Annotated[
+        float, typer.Option(help="agentic: fail when an env's infra-failure share passes this.", min=0.0, max=1.0)
+    ] = 0.05,
     as_json: JsonOption = False,
 ) -> None:
     """Evaluate a model: lm-evaluation-harness (shipped suite, user or bundled tasks) and/or the envs.
@@ -349,7 +352,7 @@ def evaluate(
     model_dir = resolve_model(model, store)
     outcome: dict[str, Any] = {}
     if suite in ("agentic", "all"):
-        agentic = _agentic_eval(model, model_dir, server, eval_size)
+        agentic = _agentic_eval(model, model_dir, server, eval_size, max_infra_failure_rate)
         outcome["agentic"] = {"ref": f"eval/{agentic.name}", "id": agentic.id, "metrics": agentic.metrics}
         if not as_json:
             console.print(f"eval/{agentic.name} = {agentic.id[:12]}  {json.dumps(agentic.metrics)}")
@@ -403,7 +406,9 @@ def _lm_eval(
         raise ConfigError(str(err)) from err
 
 
-def _agentic_eval(model: str, model_dir: Path, server: str | None, eval_size: int) -> Manifest:
+def _agentic_eval(
+    model: str, model_dir: Path, server: str | None, eval_size: int, max_infra_failure_rate: float
+) -> Manifest:
     from evaluation.agentic import AgenticEvalConfig, run_agentic_eval
     from evaluation.lm_eval_runner import model_ref_of
     from inference import wait_until_healthy
@@ -415,7 +420,8 @@ def _agentic_eval(model: str, model_dir: Path, server: str | None, eval_size: in
             server, name = started.base_url, started.model_name
         else:
             name = wait_until_healthy(server.rstrip("/"), 30)
-        cfg = AgenticEvalConfig(base_url=server, model_name=name, tokenizer=str(model_dir), eval_size=eval_size)
+        cfg = AgenticEvalConfig(base_url=server, model_name=name, tokenizer=str(model_dir), eval_size=eval_size,
+                                max_infra_failure_rate=max_infra_failure_rate)  # fmt: skip
         return run_agentic_eval(cfg, store, model_ref_of(store, model))
 
 

@@ -44,6 +44,9 @@ class RoundProfile(BaseModel):
     rl_tasks: int = Field(default=16, ge=1, description="Distinct GRPO training tasks.")
     rl_max_tool_calls: int = Field(default=4, ge=0, description="GRPO tool-calling turns per rollout.")
     eval_max_turns: int = Field(default=6, ge=1, description="Agent turns per held-out task.")
+    max_infra_failure_rate: float = Field(
+        default=0.05, ge=0, le=1, description="Evaluation fails (no success rate) above this infra-failure share."
+    )
     save_steps: int = Field(default=0, ge=0, description="SFT / GRPO step checkpoint every N steps (a re-run resumes).")
     teacher: Literal["oracle", "policy", "endpoint"] = Field(
         default="oracle",

@@ -188,6 +188,7 @@ def evaluate(params: EvaluateParams, progress: Progress | None = None) -> Manife
             model_name=server.model_name or "",
             tokenizer=str(model_dir),
             max_agent_turns=p.eval_max_turns,
+            max_infra_failure_rate=p.max_infra_failure_rate,
             name=params.name,
         )
         return run_agentic_eval(cfg, store, model_ref_of(store, params.model), progress=progress)

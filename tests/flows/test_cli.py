@@ -234,3 +234,9 @@ def test_verify_reports_then_cleans_staging_leftovers(tmp_path: Path) -> None:
     assert reported.returncode == 1 and "staging leftover" in reported.stderr
     assert run("artifacts", "verify", "--clean-staging", "--store", str(store)).returncode == 0
     assert run("artifacts", "verify", "--store", str(store)).returncode == 0
+
+
+def test_eval_takes_the_infra_failure_threshold_and_checks_its_range(tmp_path: Path) -> None:
+    result = run("--store", str(tmp_path), "eval", "--model", "tiny", "--suite", "agentic",
+                 "--max-infra-failure-rate", "1.5")  # fmt: skip
+    assert_one_line_error(result, "--max-infra-failure-rate", code=2)
