@@ -50,7 +50,7 @@ def round_plan(profile: str, device: str | None = None) -> dict[str, Any]:
             "launch": launch_command(cfg, f"<{name} config>.yaml", p.gpus) if p.gpus > 1 else None,
         }
     stages["rl"]["generation"] = f"vllm {rl.vllm_mode}" if rl.vllm() else "in-process (transformers generate)"
-    stages["evaluate"] |= _served(server, p, settings) | {"eval_size": p.eval_size, "max_turns": p.eval_max_turns}
+    stages["evaluate"] |= _served(server, p, settings) | {"eval_size": p.eval_size, "max_turns": p.max_turns}
     return {"profile": profile, "device": p.device, "model": p.model, "gpus": p.gpus, "stages": stages}
 
 

@@ -23,7 +23,7 @@ class RoundProfile(BaseModel):
     rl_steps: int = Field(default=2, ge=1, description="GRPO steps.")
     rl_max_completion: int = Field(default=128, ge=16, description="GRPO tokens per rollout, tool output included.")
     eval_size: int = Field(default=8, ge=1, description="Held-out agentic tasks.")
-    max_tokens: int = Field(default=192, ge=8, description="Tokens per model reply in evaluation.")
+    max_tokens: int = Field(default=192, ge=8, description="Tokens per model reply, in GRPO and evaluation alike.")
     difficulty: str | None = Field(default="easy", description="Task difficulty of this round (training and held-out).")
     categories: list[str] | None = Field(default=None, description="Task categories of this round (None: all).")
     device: DeviceChoice = Field(
@@ -42,8 +42,7 @@ class RoundProfile(BaseModel):
     rl_batch_size: int = Field(default=4, ge=1, description="GRPO completions per device per step.")
     rl_group_size: int = Field(default=2, ge=2, description="GRPO rollouts per task (the group).")
     rl_tasks: int = Field(default=16, ge=1, description="Distinct GRPO training tasks.")
-    rl_max_tool_calls: int = Field(default=4, ge=0, description="GRPO tool-calling turns per rollout.")
-    eval_max_turns: int = Field(default=6, ge=1, description="Agent turns per held-out task.")
+    max_turns: int = Field(default=6, ge=1, description="Agent turns per task, in GRPO and evaluation alike.")
     max_infra_failure_rate: float = Field(
         default=0.05, ge=0, le=1, description="Evaluation fails (no success rate) above this infra-failure share."
     )
@@ -93,10 +92,9 @@ PROFILES: dict[str, RoundProfile] = {
         rl_batch_size=64,
         rl_group_size=8,
         rl_tasks=2048,
-        rl_max_tool_calls=16,
         rl_max_completion=2048,
         eval_size=200,
-        eval_max_turns=16,
+        max_turns=16,
         max_tokens=1024,
         save_steps=50,
     ),

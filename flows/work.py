@@ -133,7 +133,8 @@ def rl_config(params: RLParams) -> GRPORunConfig:
         batch_size=p.rl_batch_size,
         num_rollouts_per_task=p.rl_group_size,
         max_completion_length=p.rl_max_completion,
-        max_tool_calls=p.rl_max_tool_calls,
+        max_tool_calls=p.max_turns - 1,  # The turns and per-turn tokens evaluation gives: train as judged.
+        max_turn_tokens=p.max_tokens,
         num_tasks=p.rl_tasks,
         output_name=f"rl-r{params.round_no}",
         **_hardware(p),
@@ -187,7 +188,7 @@ def evaluate(params: EvaluateParams, progress: Progress | None = None) -> Manife
             base_url=server.base_url,
             model_name=server.model_name or "",
             tokenizer=str(model_dir),
-            max_agent_turns=p.eval_max_turns,
+            max_agent_turns=p.max_turns,
             max_infra_failure_rate=p.max_infra_failure_rate,
             name=params.name,
         )

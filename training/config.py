@@ -119,6 +119,9 @@ class RunnerConfig(TrainConfig):
     categories: list[str] | None = Field(default=None, description="Only tasks of these categories.")
     max_completion_length: int = Field(default=256, ge=8, description="Tokens per completion, tool output included.")
     max_tool_calls: int = Field(default=8, ge=0, description="Tool-calling turns per rollout (env turns: this + 1).")
+    max_turn_tokens: int | None = Field(
+        default=None, ge=8, description="Tokens per model reply (None: the env's max_token_length)."
+    )
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature.")
     top_k: int = Field(default=10, ge=0, description="Top-k sampling (0: off); small models need it.")
     rollouts_every: int = Field(default=5, ge=1, description="Save sampled rollouts every N steps.")

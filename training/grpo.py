@@ -160,10 +160,15 @@ def task_dataset(envs: list[HermesAgentBaseEnv], num_tasks: int) -> tuple[Any, d
     for index in range(num_tasks):
         env = envs[index % len(envs)]
         item = asyncio.run(env.get_next_item())
-        prompt = [{"role": "user", "content": f"[{env.name} {item['item_id']}] {env.format_prompt(item)}"}]
+        prompt = task_prompt(env, item)
         rows.append({"prompt": prompt, "env": env.name, "item_id": item["item_id"]})
         tasks[prompt_key(prompt)] = Task(env, item)
     return Dataset.from_list(rows), tasks
+
+
+def task_prompt(env: HermesAgentBaseEnv, item: dict[str, Any]) -> list[dict[str, str]]:
+    """The dataset row naming a task (the rollout builds the real prompt with the env's own `build_messages`)."""
+    return [{"role": "user", "content": f"[{env.name} {item['item_id']}] {env.format_prompt(item)}"}]
 
 
 def run_grpo(
@@ -225,4 +230,6 @@ def policy_envs(
         asyncio.run(one.setup())
         one.config.tokenizer_name, one.tokenizer = str(model_dir), tokenizer
         one.config.max_agent_turns = min(one.config.max_agent_turns, cfg.max_tool_calls + 1)
+        if cfg.max_turn_tokens:
+            one.config.max_token_length = cfg.max_turn_tokens
     return built
