@@ -451,7 +451,6 @@ def report(
 def plan(
     profile: Annotated[str, typer.Option(help="Round profile: default | quick | tiny | h100.")] = "default",
     device: Annotated[str | None, typer.Option(help="cpu | cuda (default: the profile's; auto: what is here).")] = None,
-    as_json: JsonOption = True,
 ) -> None:
     """Print, as JSON, what each stage of a round would run (device, dtype, server, trainer, GPUs, pool)."""
     from flows.plan import round_plan
