@@ -56,7 +56,8 @@ def test_the_cpu_plan_has_no_cuda_setting() -> None:
 def test_a_device_override_turns_a_profile_around() -> None:
     """The profile sizes stay, the device settings follow the device: the plan and the stages share one source."""
     on_gpu = round_plan("default", "cuda")
-    assert on_gpu["stages"]["sft"]["trainer_args"]["bf16"] and on_gpu["stages"]["sft"]["config"]["total_steps"] == PROFILES["default"].sft_steps
+    sft = on_gpu["stages"]["sft"]
+    assert sft["trainer_args"]["bf16"] and sft["config"]["total_steps"] == PROFILES["default"].sft_steps
     p = PROFILES["default"].model_copy(update={"device": "cuda"})
     cfg = work.sft_config(work.SFTParams(profile=p, base="b", dataset="d"))
     assert on_gpu["stages"]["sft"]["config"] == {**cfg.model_dump(mode="json"), "policy_model": "model/smollm2",
