@@ -36,7 +36,7 @@ def round_plan(profile: str, device: str | None = None) -> dict[str, Any]:
     stages: dict[str, dict[str, Any]] = {name: _placement(name, p, settings) for name in STAGES}
     stages["generate"] |= {"teacher": p.teacher, "envs": [p.env], "groups": p.groups}
     if p.teacher == "policy":
-        stages["generate"] |= _served(server, p, settings)
+        stages["generate"] |= _served(server, settings)
     for name, cfg, kwargs, trainer in (
         ("sft", sft, sft_kwargs(sft, RUN_DIR), "trl.SFTTrainer"),
         ("rl", rl, grpo_kwargs(rl, RUN_DIR), "trl.GRPOTrainer"),
@@ -50,7 +50,7 @@ def round_plan(profile: str, device: str | None = None) -> dict[str, Any]:
             "launch": launch_command(cfg, f"<{name} config>.yaml", p.gpus) if p.gpus > 1 else None,
         }
     stages["rl"]["generation"] = f"vllm {rl.vllm_mode}" if rl.vllm() else "in-process (transformers generate)"
-    stages["evaluate"] |= _served(server, p, settings) | {"eval_size": p.eval_size, "max_turns": p.max_turns}
+    stages["evaluate"] |= _served(server, settings) | {"eval_size": p.eval_size, "max_turns": p.max_turns}
     return {"profile": profile, "device": p.device, "model": p.model, "gpus": p.gpus, "stages": stages}
 
 
@@ -60,7 +60,7 @@ def _placement(name: str, p: RoundProfile, settings: DeviceSettings) -> dict[str
     return {"pool": stage_pool(name), "device": settings.device if gpu else "cpu", "gpus": p.gpus if gpu else 0}
 
 
-def _served(server: Any, p: RoundProfile, settings: DeviceSettings) -> dict[str, Any]:
+def _served(server: Any, settings: DeviceSettings) -> dict[str, Any]:
     return {
         "device": settings.device,
         "server": {"backend": server.backend, "dtype": server.dtype, "command": build_command(server, 8000)},

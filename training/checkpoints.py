@@ -68,9 +68,10 @@ class StepCheckpoints(TrainerCallback):
 
 def resume_from(store: ArtifactStore, cfg: TrainConfig, run: RunDir) -> Path | None:
     """The step checkpoint to continue from (copied into `run`, its logged history with it), or None."""
-    if not (cfg.resume and cfg.save_steps) or store.try_resolve(step_ref(cfg)) is None:
+    mirrored = store.try_resolve(step_ref(cfg)) if cfg.resume and cfg.save_steps else None
+    if mirrored is None:
         return None
-    manifest = store.manifest(step_ref(cfg))
+    manifest = store.manifest(mirrored)
     step = int(manifest.params["step"])
     if step >= cfg.total_steps:  # That run finished: a re-run trains afresh.
         return None
