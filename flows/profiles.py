@@ -42,6 +42,15 @@ class RoundProfile(BaseModel):
     rl_batch_size: int = Field(default=4, ge=1, description="GRPO completions per device per step.")
     rl_group_size: int = Field(default=2, ge=2, description="GRPO rollouts per task (the group).")
     rl_tasks: int = Field(default=16, ge=1, description="Distinct GRPO training tasks.")
+    rl_screen: int = Field(
+        default=0,
+        ge=0,
+        description="GRPO: screen up to N tasks with the SFT policy, train on those whose group rewards differ "
+        "(0: off; single-process runs only, so off when gpus > 1).",
+    )
+    rl_difficulty: Literal["round", "all"] = Field(
+        default="round", description="GRPO task difficulties: the round's, or all (screening keeps the learnable)."
+    )
     max_turns: int = Field(default=6, ge=1, description="Agent turns per task, in GRPO and evaluation alike.")
     max_infra_failure_rate: float = Field(
         default=0.05, ge=0, le=1, description="Evaluation fails (no success rate) above this infra-failure share."

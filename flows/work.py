@@ -127,8 +127,9 @@ def rl_config(params: RLParams) -> GRPORunConfig:
     return GRPORunConfig(
         policy_model=params.policy,
         envs=[p.env],
-        difficulty=p.difficulty,
+        difficulty=None if p.rl_difficulty == "all" else p.difficulty,
         categories=p.categories,
+        screen_tasks=p.rl_screen if p.gpus <= 1 else 0,  # Screening runs in one process.
         total_steps=p.rl_steps,
         batch_size=p.rl_batch_size,
         num_rollouts_per_task=p.rl_group_size,

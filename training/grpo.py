@@ -11,7 +11,10 @@ no learning signal).
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import logging
+import shutil
 import statistics
 import time
 from collections import defaultdict
@@ -27,8 +30,9 @@ from environments.registry import env_class
 from training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
 from training.config import RunnerConfig
 from training.models import resolve_model
-from training.rollouts import Task, agent_rollout_func, prompt_key
+from training.rollouts import Outcome, PolicyServer, Task, agent_rollout_func, prompt_key, run_rollouts
 from training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
+from training.screening import screen_tasks
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +115,11 @@ class GRPORunConfig(RunnerConfig):
     use_vllm: bool | None = Field(default=None, description="Generate with vLLM (None: on CUDA yes, on CPU no).")
     vllm_mode: Literal["server", "colocate"] = Field(default="colocate", description="vLLM beside or in-process.")
     vllm_server_base_url: str | None = Field(default=None, description="server mode: the `vllm serve` URL.")
+    screen_tasks: int = Field(
+        default=0,
+        ge=0,
+        description="Screen up to N tasks with the initial policy; train on those whose group rewards differ (0: off).",
+    )
 
     def problems(self) -> list[str]:
         problems = super().problems()
@@ -191,7 +200,9 @@ def run_grpo(
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     agents = policy_envs(cfg, envs, model_dir, tokenizer)
     run = RunDir(cfg.logs_root, cfg.output_name)
-    dataset, tasks = task_dataset(agents, cfg.num_tasks)
+    resume = resume_from(store, cfg, run)
+    screened: dict[str, list[Outcome]] = {}
+    dataset, tasks = task_dataset(agents, 1 if cfg.screen_tasks else cfg.num_tasks)  # Screening replaces it.
     parents = model_parents(store, cfg.policy_model)
     stats = RewardStats()
     trainer = GRPOTrainer(
@@ -200,13 +211,14 @@ def run_grpo(
         args=grpo_args(cfg, str(run.checkpoints)),
         train_dataset=dataset,
         processing_class=tokenizer,
-        rollout_func=agent_rollout_func(tasks, cfg.temperature, cfg.max_completion_length),
+        rollout_func=agent_rollout_func(tasks, cfg.temperature, cfg.max_completion_length, screened),
         callbacks=[
-            stats, MetricsCallback(run), NonFiniteGuard(), RewardDistributionWarning(),
+            stats, MetricsCallback(run), NonFiniteGuard(), RewardDistributionWarning(), KeepScreening(run),
             StepCheckpoints(store, cfg, parents), *(callbacks or []),
         ],
     )  # fmt: skip
-    stopped = train(trainer, resume_from(store, cfg, run))
+    screening = screen_into(trainer, cfg, agents, tasks, screened, run, resume) if cfg.screen_tasks else {}
+    stopped = train(trainer, resume)
     logged = run.read_metrics()
     rewards = [m["reward"] for m in logged if "reward" in m]
     return finish(
@@ -214,7 +226,93 @@ def run_grpo(
         first_reward=rewards[0] if rewards else None,
         final_reward=rewards[-1] if rewards else None,
         kl=next((m["kl"] for m in reversed(logged) if "kl" in m), None),
+        zero_std_share=statistics.fmean(m["frac_reward_zero_std"] for m in logged if "frac_reward_zero_std" in m)
+        if rewards else None,
+        **({"screening": screening} if screening else {}),
     )  # fmt: skip
+
+
+SCREENING_FILE = "screening.json"
+
+
+class KeepScreening(TrainerCallback):
+    """Puts the screening's kept tasks into each step checkpoint (before it is mirrored), so a resumed
+    run trains on the same tasks instead of screening again with other weights."""
+
+    def __init__(self, run: RunDir) -> None:
+        self.run = run
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        kept = self.run.path / SCREENING_FILE
+        if kept.exists() and state.is_world_process_zero:
+            shutil.copy(kept, Path(args.output_dir) / f"checkpoint-{state.global_step}" / SCREENING_FILE)
+
+
+def screen_into(
+    trainer: Any,
+    cfg: GRPORunConfig,
+    envs: list[HermesAgentBaseEnv],
+    tasks: dict[str, Task],
+    screened: dict[str, list[Outcome]],
+    run: RunDir,
+    resume: Path | None,
+) -> dict[str, Any]:
+    """Screen tasks with the trainer's initial policy and make the kept ones its dataset; `tasks` and
+    `screened` (the rollout function's) are filled in. A resumed run reloads the tasks it screened."""
+    from datasets import Dataset
+
+    by_name = {env.name: env for env in envs}
+    if resume is not None and (resume / SCREENING_FILE).exists():
+        saved = json.loads((resume / SCREENING_FILE).read_text())
+        chosen = [Task(by_name[t["env"]], t["item"]) for t in saved["tasks"]]
+        summary = saved["summary"]
+    else:
+        chosen, summary = _screen(trainer, cfg, envs, screened)
+        saved = {"summary": summary, "tasks": [{"env": t.env.name, "item": t.item} for t in chosen]}
+        (run.path / SCREENING_FILE).write_text(json.dumps(saved, default=str))
+    tasks.clear()
+    rows = []
+    for task in chosen:
+        prompt = task_prompt(task.env, task.item)
+        tasks[prompt_key(prompt)] = task
+        rows.append({"prompt": prompt, "env": task.env.name, "item_id": task.item["item_id"]})
+    trainer.train_dataset = Dataset.from_list(rows)
+    return summary
+
+
+def _screen(
+    trainer: Any, cfg: GRPORunConfig, envs: list[HermesAgentBaseEnv], screened: dict[str, list[Outcome]]
+) -> tuple[list[Task], dict[str, Any]]:
+    """Run the screening (see `training.screening`); the kept groups become step 1's rollouts."""
+    if trainer.accelerator.num_processes > 1:
+        raise ValueError("screen_tasks runs in single-process GRPO only; set screen_tasks=0 for multi-GPU runs")
+    group = cfg.num_rollouts_per_task
+    per_step = cfg.batch_size * cfg.gradient_accumulation_steps // group
+    needed = min(cfg.num_tasks, per_step * cfg.total_steps)
+    drawn = itertools.cycle(envs)
+    server = PolicyServer.of_trainer(trainer, cfg.max_completion_length)
+
+    def draw() -> Task:
+        env = next(drawn)
+        return Task(env, asyncio.run(env.get_next_item()))
+
+    def roll(batch: list[Task]) -> list[Outcome]:
+        return asyncio.run(run_rollouts(batch, server, cfg.temperature))
+
+    found = screen_tasks(draw, roll, group, needed, max(cfg.screen_tasks, needed))
+    summary = found.summary()
+    logger.info("task screening: %s", json.dumps(summary))
+    if not found.kept:
+        logger.warning(
+            "task screening: none of %d screened tasks gave differing rewards (all solved or all failed): "
+            "GRPO will learn nothing from them; widen the slices or start from another policy",
+            summary["screened"],
+        )
+    # A step needs `per_step` distinct tasks: flat ones fill in when too few were kept.
+    kept = found.kept + found.flat[: max(0, per_step - len(found.kept))]
+    for task, outcomes in kept:
+        screened[prompt_key(task_prompt(task.env, task.item))] = list(outcomes)
+    return [task for task, _ in kept], summary
 
 
 def policy_envs(

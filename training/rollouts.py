@@ -25,11 +25,25 @@ from environments.hermes_base_env import HermesAgentBaseEnv
 from environments.messages import messages_with_dict_arguments
 
 
+@dataclass
+class _Request:
+    """One reply to generate; `new` is filled by whichever thread serves its batch."""
+
+    prompt_ids: list[int]
+    temperature: float
+    max_new: int
+    new: list[int] | None = None
+    error: BaseException | None = None
+
+
 class PolicyServer:
     """The policy under training as atroposlib's `chat_completion` surface.
 
     It generates in-process with `model()` (the current weights), or with TRL's vLLM engine when
     `vllm` is given (TRL pushes the trainer's weights into it before each step's rollouts).
+    Concurrent rollouts' requests are generated together: while one batch generates, the next
+    requests queue, and the thread that gets the model next serves every one waiting (on a CPU a
+    batch of decodes costs little more than one: each step reads the weights once).
     """
 
     def __init__(
@@ -40,7 +54,9 @@ class PolicyServer:
         self.top_k = top_k
         self.max_new_tokens = max_new_tokens
         self.vllm = vllm
-        self._lock = threading.Lock()  # One generate at a time: they share the model.
+        self._model_lock = threading.Lock()  # One generate at a time: they share the model.
+        self._queue_lock = threading.Lock()
+        self._queue: list[_Request] = []
 
     @classmethod
     def of_trainer(cls, trainer: Any, max_new_tokens: int) -> PolicyServer:
@@ -63,32 +79,71 @@ class PolicyServer:
         )  # fmt: skip
         prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         max_new = min(int(kwargs.get("max_tokens") or self.max_new_tokens), self.max_new_tokens)
-        with self._lock:
-            if self.vllm is not None:
-                new = list(self.vllm.generate([prompt_ids], None, 1)[1][0])[:max_new]
-            else:
-                new = self._generate_in_process(prompt_ids, float(kwargs.get("temperature", 1.0)), max_new)
+        request = _Request(prompt_ids, float(kwargs.get("temperature", 1.0)), max_new)
+        with self._queue_lock:
+            self._queue.append(request)
+        with self._model_lock:
+            if request.new is None and request.error is None:  # Not served yet: serve every request waiting.
+                with self._queue_lock:
+                    waiting, self._queue = self._queue, []
+                self._serve(waiting)
+        if request.error is not None:
+            raise request.error
+        new = request.new or []
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         message = SimpleNamespace(role="assistant", content=text, tool_calls=None)
         usage = SimpleNamespace(prompt_tokens=len(prompt_ids), completion_tokens=len(new))
         return SimpleNamespace(choices=[SimpleNamespace(message=message, finish_reason="stop")], usage=usage)
 
-    def _generate_in_process(self, prompt_ids: list[int], temperature: float, max_new: int) -> list[int]:
+    def _serve(self, requests: list[_Request]) -> None:
+        """Generate every request, one batch per temperature."""
+        for temperature in sorted({r.temperature for r in requests}):
+            batch = [r for r in requests if r.temperature == temperature]
+            prompts = [r.prompt_ids for r in batch]
+            try:
+                if self.vllm is not None:
+                    outputs = [list(ids) for ids in self.vllm.generate(prompts, None, 1)[1]]
+                else:
+                    outputs = self._generate_in_process(prompts, temperature, max(r.max_new for r in batch))
+            except BaseException as error:  # Every request of the batch fails with it, none silently empty.
+                for request in batch:
+                    request.error = error
+                continue
+            for request, new in zip(batch, outputs, strict=True):
+                request.new = new[: request.max_new]
+
+    def _generate_in_process(self, prompts: list[list[int]], temperature: float, max_new: int) -> list[list[int]]:
+        """Left-padded batch generation; each row's reply ends at its first end-of-sequence token."""
         import torch
 
         model = self.model()
-        inputs = torch.tensor([prompt_ids], device=model.device)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        width = max(len(p) for p in prompts)
+        inputs = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
         with torch.no_grad():
             output = model.generate(
                 input_ids=inputs,
-                attention_mask=torch.ones_like(inputs),
+                attention_mask=mask,
                 do_sample=temperature > 0,
                 temperature=temperature if temperature > 0 else None,
                 top_k=self.top_k or None,
                 max_new_tokens=max_new,
-                pad_token_id=self.tokenizer.pad_token_id,
+                pad_token_id=pad,
             )
-        return output[0, inputs.shape[1] :].tolist()
+        stops = _eos_ids(model, self.tokenizer)
+        replies = []
+        for row in output[:, width:].tolist():
+            end = next((i + 1 for i, token in enumerate(row) if token in stops), len(row))
+            replies.append(row[:end])
+        return replies
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Every token id that ends a reply: the generation config's (one or a list) and the tokenizer's."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = set(configured if isinstance(configured, list) else [configured])
+    return {i for i in ids | {tokenizer.eos_token_id} if i is not None}
 
 
 @dataclass
@@ -104,13 +159,29 @@ def prompt_key(prompt: list[dict[str, Any]]) -> str:
     return json.dumps(prompt, sort_keys=True, ensure_ascii=False)
 
 
-def agent_rollout_func(tasks: dict[str, Task], temperature: float, max_completion_length: int) -> Any:
-    """TRL `rollout_func(prompts, trainer)`: one env-loop rollout per prompt (see module docstring)."""
+Outcome = tuple[Any, float | None]  # An agent result and its reward (None: an infra failure).
+
+
+def agent_rollout_func(
+    tasks: dict[str, Task],
+    temperature: float,
+    max_completion_length: int,
+    screened: dict[str, list[Outcome]] | None = None,
+) -> Any:
+    """TRL `rollout_func(prompts, trainer)`: one env-loop rollout per prompt (see module docstring).
+
+    `screened` holds rollouts already made with the initial weights (task screening): the first
+    generation uses them instead of rolling those tasks again, once each.
+    """
 
     def rollout(prompts: list[list[dict[str, Any]]], trainer: Any) -> dict[str, list[Any]]:
         server = PolicyServer.of_trainer(trainer, max_completion_length)
         batch = [tasks[prompt_key(prompt)] for prompt in prompts]
-        outcomes = asyncio.run(_run_all(batch, server, temperature))
+        reused = [_pop_screened(screened, prompt, trainer) for prompt in prompts]
+        to_roll = [task for task, done in zip(batch, reused, strict=True) if done is None]
+        fresh = iter(asyncio.run(run_rollouts(to_roll, server, temperature)))
+        outcomes = [r if r is not None else next(fresh) for r in reused]
+        stops = set(getattr(trainer, "eos_token_ids", None) or [trainer.processing_class.eos_token_id])
         out: dict[str, Any] = {k: [] for k in ("prompt_ids", "completion_ids", "env_mask")}
         out |= {"env_reward": [], "task_completed": [], "turns_used": []}
         for task, (result, reward) in zip(batch, outcomes, strict=True):
@@ -120,6 +191,7 @@ def agent_rollout_func(tasks: dict[str, Task], temperature: float, max_completio
             start = next((i for i, m in enumerate(masks) if m != -100), len(tokens))
             completion = tokens[start:][:max_completion_length] or [trainer.processing_class.eos_token_id]
             mask = [int(m != -100) for m in masks[start:][:max_completion_length]] or [0]
+            completion, mask = _end_at_last_eos(completion, mask, stops)
             out["prompt_ids"].append(tokens[:start])
             out["completion_ids"].append(completion)
             out["env_mask"].append(mask)
@@ -132,10 +204,30 @@ def agent_rollout_func(tasks: dict[str, Task], temperature: float, max_completio
     return rollout
 
 
-async def _run_all(batch: list[Task], server: PolicyServer, temperature: float) -> list[tuple[Any, float | None]]:
-    """Every rollout of the batch, concurrently (generation itself takes turns on the model)."""
+def _pop_screened(
+    screened: dict[str, list[Outcome]] | None, prompt: list[dict[str, Any]], trainer: Any
+) -> Outcome | None:
+    """A screening rollout of this prompt's task, while the weights are still the ones it was made with."""
+    if not screened or trainer.state.global_step != 0:
+        return None
+    pending = screened.get(prompt_key(prompt))
+    return pending.pop() if pending else None
 
-    async def one(task: Task) -> tuple[Any, float | None]:
+
+def _end_at_last_eos(completion: list[int], mask: list[int], stops: set[int]) -> tuple[list[int], list[int]]:
+    """Drop what the chat template writes after the conversation's last end-of-turn (a newline in ChatML):
+    the policy never samples it, and TRL's `clipped_ratio` then counts only conversations that
+    `max_completion_length` cut."""
+    last = max((i for i, token in enumerate(completion) if token in stops), default=None)
+    if last is None:
+        return completion, mask
+    return completion[: last + 1], mask[: last + 1]
+
+
+async def run_rollouts(batch: list[Task], server: PolicyServer, temperature: float) -> list[Outcome]:
+    """Every rollout of the batch, concurrently (the server batches their generation)."""
+
+    async def one(task: Task) -> Outcome:
         task.env.server = server
         return await task.env.run_agent(task.item, temperature)
 
