@@ -57,11 +57,12 @@ def test_the_seeds_training_program_runs_and_writes_the_run_folder(
         program = program.replace(seed_text, cpu_text)
     monkeypatch.chdir(tmp_path)  # The documented layout: logs/run-<date>/... under the working directory.
     monkeypatch.setenv("FLYWHEEL_STORE", os.fspath(model_store.url))
+    before = {m.id for m in model_store.list("checkpoint")}  # The store is shared by the session's tests.
     exec(compile(program.replace("TINY", repr(str(tiny_model))), "run_training.py", "exec"), {})
     (run_dir,) = (tmp_path / "logs").glob("run-*")
     assert (run_dir / "metrics.jsonl").read_text().strip() and any((run_dir / "rollouts").iterdir())
     assert (run_dir / "checkpoints" / "final" / "config.json").exists()
-    (checkpoint,) = model_store.list("checkpoint")
+    (checkpoint,) = [m for m in model_store.list("checkpoint") if m.id not in before]
     assert checkpoint.params["num_tasks"] == 100 and checkpoint.params["kl_beta"] == 0.05
 
 
