@@ -3,18 +3,20 @@
 Run: .venv/bin/python benchmarks/rl_gain.py [--store DIR] [--sft REF] [--profile default] [--rl-steps 6]
      [--env web_navigation] [--categories a,b] [--difficulty easy] [--eval-size 10]
 
-Without `--sft`, the profile's generate -> curate -> SFT makes the checkpoint first. Both models
-are then evaluated by the round's own `evaluate` stage (same env, slice, held-out items, turns and
-token caps); GRPO runs the round's own `rl` stage (the env's agent loop) for `--rl-steps` steps.
-Prints success per slice for both, the gain in points, and GRPO's own signal (reward mean, the
-share of groups with no reward variance): a slice that SFT already masters gives GRPO all-1 groups
-and nothing to learn from, so the gain is measured where SFT leaves room (goal: >= 10 points).
+Without `--sft`, the profile's generate -> curate -> SFT makes the checkpoint first. GRPO runs the
+round's own `rl` stage (the env's agent loop, task screening as the profile sets it) for
+`--rl-steps` steps. Both models are evaluated by the round's own `evaluate` stage on the same
+held-out items of every slice GRPO drew from (with `rl_difficulty: all`, every difficulty).
+Prints success per slice for both, which slices screening kept (learnable: the SFT policy solved
+some of a group, not all), the gain on those slices and overall, and GRPO's own signal (reward
+per step, the share of zero-variance groups). Goal: >= 10 points on the learnable slices.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from data import ArtifactStore
 from flows import work
@@ -33,7 +35,7 @@ def main() -> None:
     parser.add_argument("--difficulty", default=None)
     parser.add_argument("--eval-size", type=int, default=None)
     args = parser.parse_args()
-    changes: dict = {"rl_steps": args.rl_steps}
+    changes: dict[str, Any] = {"rl_steps": args.rl_steps}
     for field, value in (("env", args.env), ("difficulty", args.difficulty), ("eval_size", args.eval_size)):
         if value is not None:
             changes[field] = value
@@ -41,7 +43,7 @@ def main() -> None:
         changes["categories"] = args.categories.split(",")
     p = PROFILES[args.profile].model_copy(update=changes)
     store = ArtifactStore(args.store)
-    common = {"store_url": store.root_url, "round_no": 90, "profile": p}
+    common: dict[str, Any] = {"store_url": store.root_url, "round_no": 90, "profile": p}
     if args.sft:
         sft_id = store.resolve(args.sft)
     else:
@@ -49,27 +51,51 @@ def main() -> None:
         rollouts = work.generate(work.GenerateParams(**common, tokenizer_model=base)).id
         dataset = work.curate(work.CurateParams(**common, rollouts=rollouts)).id
         sft_id = work.sft(work.SFTParams(**common, base=base, dataset=dataset)).id
-    sft_eval = work.evaluate(work.EvaluateParams(**common, model=sft_id, name="rl-gain-sft"))
-    rl = work.rl(work.RLParams(**common, policy=sft_id))
-    rl_eval = work.evaluate(work.EvaluateParams(**common, model=rl.id, name="rl-gain-grpo"))
+    rl_params = work.RLParams(**common, policy=sft_id)
+    rl = work.rl(rl_params)
+    # Judge both on the slices GRPO drew its tasks from.
+    judged = common | {"profile": p.model_copy(update={"difficulty": work.rl_config(rl_params).difficulty})}
+    sft_eval = work.evaluate(work.EvaluateParams(**judged, model=sft_id, name="rl-gain-sft"))
+    rl_eval = work.evaluate(work.EvaluateParams(**judged, model=rl.id, name="rl-gain-grpo"))
+    report(store, sft_id, rl, sft_eval, rl_eval, f"profile {args.profile}, {p.env} {p.categories or 'all'}")
+
+
+def report(store: ArtifactStore, sft_id: str, rl: Any, sft_eval: Any, rl_eval: Any, title: str) -> None:
+    """Per-slice success of both models, the gain on the slices screening kept, and GRPO's signal."""
     run = store.manifest(f"run/{rl.name}")
     steps = [json.loads(line) for line in store.read_bytes(run.id, "metrics.jsonl").decode().splitlines()]
     steps = [s for s in steps if "reward" in s]
+    screening = rl.metrics.get("screening") or {}
+    screened = screening.get("slices", {})
+    learnable = {name for name, s in screened.items() if s["kept"]}
     before = store.read_json(sft_eval.id, "results.json")["per_slice"]
     after = store.read_json(rl_eval.id, "results.json")["per_slice"]
-    print(f"profile {args.profile}, {p.env} {p.categories or 'all'} {p.difficulty or 'all'}; SFT {sft_id[:12]}")
-    print(f"{'slice':50} {'n':>4} {'SFT':>6} {'SFT+GRPO':>9} {'gain (points)':>14}")
+    print(f"{title}; SFT {sft_id[:12]}; GRPO {rl.id[:12]}")
+    print(f"{'slice':42} {'n':>4} {'SFT':>6} {'SFT+GRPO':>9} {'gain':>6}  screening kept/groups")
     for name in sorted(set(before) | set(after)):
-        b, a = before.get(name, {}), after.get(name, {})
+        b, a, seen = before.get(name, {}), after.get(name, {}), screened.get(name)
         gain = 100 * (a.get("success_rate", 0) - b.get("success_rate", 0))
-        print(f"{name:50} {b.get('n', 0):>4} {b.get('success_rate', 0):>6.2f} {a.get('success_rate', 0):>9.2f} "
-              f"{gain:>+14.0f}")  # fmt: skip
-    total = 100 * (rl_eval.metrics["success_rate"] - sft_eval.metrics["success_rate"])
-    print(f"overall: SFT {sft_eval.metrics['success_rate']:.2f} -> SFT+GRPO {rl_eval.metrics['success_rate']:.2f} "
-          f"({total:+.0f} points over {sft_eval.metrics['n']} tasks; goal >= +10 on learnable slices)")  # fmt: skip
+        mark = f"{seen['kept']}/{seen['groups']}{' learnable' if name in learnable else ''}" if seen else "-"
+        print(f"{name:42} {b.get('n', 0):>4} {b.get('success_rate', 0):>6.2f} {a.get('success_rate', 0):>9.2f} "
+              f"{gain:>+6.0f}  {mark}")  # fmt: skip
+    for label, names in (("learnable slices", learnable & set(before)), ("all slices", set(before))):
+        sft_rate, rl_rate = _rate(before, names), _rate(after, names)
+        print(f"{label}: SFT {sft_rate:.2f} -> SFT+GRPO {rl_rate:.2f} ({100 * (rl_rate - sft_rate):+.0f} points "
+              f"over {_count(before, names)} tasks)")  # fmt: skip
     flat = sum(s.get("frac_reward_zero_std", 0) for s in steps) / max(1, len(steps))
-    rewards = [round(s["reward"], 3) for s in steps]
-    print(f"GRPO: {len(steps)} steps, reward per step {rewards}, share of zero-variance groups {flat:.2f}")
+    print(f"GRPO: {len(steps)} steps, reward per step {[round(s['reward'], 3) for s in steps]}, share of "
+          f"zero-variance groups {flat:.2f}; screening kept {screening.get('kept')} of {screening.get('screened')} "
+          "tasks; goal >= +10 points on learnable slices")  # fmt: skip
+
+
+def _count(per_slice: dict[str, Any], names: set[str]) -> int:
+    return sum(per_slice.get(name, {}).get("n", 0) for name in names)
+
+
+def _rate(per_slice: dict[str, Any], names: set[str]) -> float:
+    """Success over the pooled items of `names` (each slice weighted by its item count)."""
+    solved = sum(per_slice[name]["success_rate"] * per_slice[name]["n"] for name in names if name in per_slice)
+    return solved / max(1, _count(per_slice, names))
 
 
 if __name__ == "__main__":

@@ -86,14 +86,19 @@ def gate(
     candidate_model: str,
     config: GateConfig | None = None,
     name: str = "gate",
+    champion_evals: list[str] | None = None,
 ) -> Manifest:
-    """Compare with the champion's evals (first round: promote), record the decision, move `champion`."""
+    """Compare with the champion's evals (first round: promote), record the decision, move `champion`.
+
+    `champion_evals`: the champion judged on the candidate's items (see `shares_items`); None
+    compares with the evals recorded when the champion was promoted.
+    """
     candidate = _merge(store, candidate_evals)
-    try:
-        champion_model = store.resolve("champion")
-    except ArtifactNotFound:
-        champion_model = None
-    champion_evals = _evals_of(store, champion_model) if champion_model else []
+    champion_model = store.try_resolve("champion")
+    if champion_evals is None:
+        champion_evals = recorded_evals(store, champion_model) if champion_model else []
+    else:
+        champion_evals = [store.resolve(ref) for ref in champion_evals]
     if champion_model is None:
         decision = {"promote": True, "reason": "no champion yet: the first candidate becomes champion"}
     else:
@@ -124,7 +129,14 @@ def _merge(store: ArtifactStore, refs: list[str]) -> dict[str, dict[str, float]]
     return merged
 
 
-def _evals_of(store: ArtifactStore, model_id: str) -> list[str]:
+def shares_items(store: ArtifactStore, candidate_evals: list[str], champion_evals: list[str]) -> bool:
+    """Whether the two sets of evals judged any primary item in common (else a changed profile or
+    held-out set: the champion must be judged again on the candidate's items for a fair gate)."""
+    candidate = _merge(store, candidate_evals).get("primary", {})
+    return bool(set(candidate) & set(_merge(store, champion_evals).get("primary", {})))
+
+
+def recorded_evals(store: ArtifactStore, model_id: str) -> list[str]:
     """The eval artifacts the gate recorded when `model_id` was promoted."""
     try:
         decision = store.read_json("champion-evals", "decision.json")

@@ -12,6 +12,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from data import ArtifactStore, lineage
+from evaluation.gate import recorded_evals, shares_items
 from evaluation.lm_eval_runner import model_ref_of
 from flows import work
 from flows.dispatch import Dispatch, result_storage, run_stage
@@ -59,7 +60,12 @@ def flywheel(
         sft_ckpt = stage("sft", work.SFTParams, round_no=n, base=base, dataset=dataset)
         rl_ckpt = stage("rl", work.RLParams, round_no=n, policy=sft_ckpt)
         evals = [stage("evaluate", work.EvaluateParams, round_no=n, model=rl_ckpt, name=f"agentic-r{n}")]
-        decision = stage("gate", work.GateParams, round_no=n, evals=evals, candidate=rl_ckpt)
+        champion, rejudged = store.try_resolve("champion"), None
+        if champion and not shares_items(store, evals, recorded_evals(store, champion)):
+            log.info("round %d: the champion's evals share no item with the candidate's: judging it again", n)
+            name = f"agentic-champion-r{n}"
+            rejudged = [stage("evaluate", work.EvaluateParams, round_no=n, model=champion, name=name)]
+        decision = stage("gate", work.GateParams, round_no=n, evals=evals, candidate=rl_ckpt, champion_evals=rejudged)
         weaknesses = stage("mine", work.MineParams, round_no=n, evals=evals)
         report_id = stage("report", work.ReportParams, round_no=n, refs=[*evals, weaknesses, decision])
         result = store.read_json(decision, "decision.json")

@@ -64,6 +64,9 @@ class EvaluateParams(StageParams):
 class GateParams(StageParams):
     evals: list[str] = Field(description="Eval artifact ids of the candidate.")
     candidate: str = Field(description="Candidate model artifact id.")
+    champion_evals: list[str] | None = Field(
+        default=None, description="The champion judged on the candidate's items (None: its recorded evals)."
+    )
 
 
 class MineParams(StageParams):
@@ -198,7 +201,8 @@ def evaluate(params: EvaluateParams, progress: Progress | None = None) -> Manife
 
 def promote(params: GateParams) -> Manifest:
     """Promote the candidate to `champion` only when it wins (paired bootstrap + guards)."""
-    return gate(params.store(), params.evals, params.candidate, name=f"gate-r{params.round_no}")
+    store, name = params.store(), f"gate-r{params.round_no}"
+    return gate(store, params.evals, params.candidate, name=name, champion_evals=params.champion_evals)
 
 
 def mine(params: MineParams) -> Manifest:

@@ -147,3 +147,24 @@ def test_report_renders_html_and_non_empty_plots(store: ArtifactStore) -> None:
     text = store.read_bytes(report.id, "summary.md").decode()
     assert "tool_use_chain|todo_report|hard" in text and "PROMOTED" in text
     assert "<img" in store.read_bytes(report.id, "report.html").decode()
+
+
+def test_gate_judges_the_champion_again_when_the_held_out_items_changed(store: ArtifactStore) -> None:
+    from evaluation.gate import recorded_evals, shares_items
+
+    old, new = store.put("checkpoint", "old", {"w": b"1"}), store.put("checkpoint", "new", {"w": b"2"})
+    slice_ = ("tool_use_chain", "todo_report", "easy")
+    first = store.put("eval", "agentic", {"samples/tool_use_chain.jsonl": _jsonl(_samples({slice_: 0.2}, n=40))})
+    gate(store, [first.id], old.id)
+    moved = [{**s, "item_id": "v2-" + s["item_id"]} for s in _samples({slice_: 0.9}, n=40, seed=5)]
+    candidate = store.put("eval", "agentic", {"samples/tool_use_chain.jsonl": _jsonl(moved)})
+    recorded = recorded_evals(store, old.id)
+    assert recorded == [first.id] and not shares_items(store, [candidate.id], recorded)
+    refused = gate(store, [candidate.id], new.id, name="unfair")
+    assert "no shared primary items" in store.read_json(refused.id, "decision.json")["reason"]
+    # The champion judged on the candidate's items (here: it solves a fifth of them).
+    rejudged = [{**s, "item_id": "v2-" + s["item_id"]} for s in _samples({slice_: 0.2}, n=40, seed=6)]
+    champion_eval = store.put("eval", "agentic", {"samples/tool_use_chain.jsonl": _jsonl(rejudged)})
+    assert shares_items(store, [candidate.id], [champion_eval.id])
+    fair = store.read_json(gate(store, [candidate.id], new.id, champion_evals=[champion_eval.id]).id, "decision.json")
+    assert fair["promote"] and fair["n_shared"] == 40 and store.resolve("champion") == new.id
