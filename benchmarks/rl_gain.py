@@ -6,7 +6,7 @@ Run: .venv/bin/python benchmarks/rl_gain.py [--store DIR] [--sft REF] [--profile
 Without `--sft`, the profile's generate -> curate -> SFT makes the checkpoint first. GRPO runs the
 round's own `rl` stage (the env's agent loop, task screening as the profile sets it) for
 `--rl-steps` steps. Both models are evaluated by the round's own `evaluate` stage on the same
-held-out items of every slice GRPO drew from (with `rl_difficulty: all`, every difficulty).
+held-out items of the slices GRPO drew from.
 Prints success per slice for both, which slices screening kept (learnable: the SFT policy solved
 some of a group, not all), the gain on those slices and overall, and GRPO's own signal (reward
 per step, the share of zero-variance groups). Goal: >= 10 points on the learnable slices.
@@ -51,12 +51,9 @@ def main() -> None:
         rollouts = work.generate(work.GenerateParams(**common, tokenizer_model=base)).id
         dataset = work.curate(work.CurateParams(**common, rollouts=rollouts)).id
         sft_id = work.sft(work.SFTParams(**common, base=base, dataset=dataset)).id
-    rl_params = work.RLParams(**common, policy=sft_id)
-    rl = work.rl(rl_params)
-    # Judge both on the slices GRPO drew its tasks from.
-    judged = common | {"profile": p.model_copy(update={"difficulty": work.rl_config(rl_params).difficulty})}
-    sft_eval = work.evaluate(work.EvaluateParams(**judged, model=sft_id, name="rl-gain-sft"))
-    rl_eval = work.evaluate(work.EvaluateParams(**judged, model=rl.id, name="rl-gain-grpo"))
+    rl = work.rl(work.RLParams(**common, policy=sft_id))
+    sft_eval = work.evaluate(work.EvaluateParams(**common, model=sft_id, name="rl-gain-sft"))
+    rl_eval = work.evaluate(work.EvaluateParams(**common, model=rl.id, name="rl-gain-grpo"))
     report(store, sft_id, rl, sft_eval, rl_eval, f"profile {args.profile}, {p.env} {p.categories or 'all'}")
 
 

@@ -48,9 +48,6 @@ class RoundProfile(BaseModel):
         description="GRPO: screen up to N tasks with the SFT policy, train on those whose group rewards differ "
         "(0: off; single-process runs only, so off when gpus > 1).",
     )
-    rl_difficulty: Literal["round", "all"] = Field(
-        default="round", description="GRPO task difficulties: the round's, or all (screening keeps the learnable)."
-    )
     max_turns: int = Field(default=6, ge=1, description="Agent turns per task, in GRPO and evaluation alike.")
     max_infra_failure_rate: float = Field(
         default=0.05, ge=0, le=1, description="Evaluation fails (no success rate) above this infra-failure share."
@@ -78,7 +75,8 @@ PROFILES: dict[str, RoundProfile] = {
         env="web_navigation",
         categories=["lookup_price"],
         groups=32,
-        sft_steps=10,
+        sft_steps=6,
+        rl_screen=8,  # After SFT, GRPO trains on the tasks the policy solves only sometimes.
         rl_max_completion=384,
         eval_size=10,
         max_tokens=128,

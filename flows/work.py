@@ -130,7 +130,7 @@ def rl_config(params: RLParams) -> GRPORunConfig:
     return GRPORunConfig(
         policy_model=params.policy,
         envs=[p.env],
-        difficulty=None if p.rl_difficulty == "all" else p.difficulty,
+        difficulty=p.difficulty,
         categories=p.categories,
         screen_tasks=p.rl_screen if p.gpus <= 1 else 0,  # Screening runs in one process.
         total_steps=p.rl_steps,
