@@ -85,9 +85,10 @@ def generate(params: GenerateParams) -> Manifest:
         endpoint: dict[str, Any] = {}
         if p.teacher == "endpoint":
             endpoint = {"base_url": p.teacher_url, "model_name": p.teacher_model, "api_key_env": p.teacher_api_key_env}
-        elif p.teacher == "policy":
+        elif p.teacher == "policy":  # The round's own model: the turns and reply caps it is judged with.
             server = stack.enter_context(ModelServer(server_config(p, str(model_dir))))
             endpoint = {"base_url": server.base_url, "model_name": server.model_name}
+            endpoint |= {"max_token_length": p.max_tokens, "max_agent_turns": p.max_turns}
         return generate_rollouts(
             store,
             p.env,
