@@ -1,15 +1,16 @@
 """What GRPO adds: SFT-only vs SFT+GRPO from the same SFT checkpoint, judged on the same held-out tasks.
 
-Run: .venv/bin/python benchmarks/rl_gain.py [--store DIR] [--sft REF] [--profile default] [--rl-steps 6]
-     [--env web_navigation] [--categories a,b] [--difficulty easy] [--eval-size 10]
+Run: .venv/bin/python benchmarks/rl_gain.py [--store DIR] [--sft REF] [--rl REF] [--profile default]
+     [--rl-steps 6] [--env web_navigation] [--categories a,b] [--difficulty easy] [--eval-size 10]
 
 Without `--sft`, the profile's generate -> curate -> SFT makes the checkpoint first. GRPO runs the
 round's own `rl` stage (the env's agent loop, task screening as the profile sets it) for
-`--rl-steps` steps. Both models are evaluated by the round's own `evaluate` stage on the same
-held-out items of the slices GRPO drew from.
-Prints success per slice for both, which slices screening kept (learnable: the SFT policy solved
-some of a group, not all), the gain on those slices and overall, and GRPO's own signal (reward
-per step, the share of zero-variance groups). Goal: >= 10 points on the learnable slices.
+`--rl-steps` steps, unless `--rl` names a GRPO checkpoint trained from that SFT checkpoint (a
+round's `checkpoint/rl-r1` with `--sft checkpoint/sft-r1`). Both models are evaluated by the
+round's own `evaluate` stage on the same held-out items of the slices GRPO drew from. Prints
+success per slice for both, which slices screening kept (learnable: the SFT policy solved some
+of a group, not all), the gain on those slices and overall, and GRPO's own signal (reward per
+step, the share of zero-variance groups). Goal: >= 10 points on the learnable slices.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--store", default=None, help="artifact store (default: $FLYWHEEL_STORE or ./.flywheel)")
     parser.add_argument("--sft", default=None, help="SFT checkpoint ref to start from (default: make one)")
+    parser.add_argument("--rl", default=None, help="GRPO checkpoint ref trained from --sft (default: train one)")
     parser.add_argument("--profile", default="default", choices=sorted(PROFILES))
     parser.add_argument("--rl-steps", type=int, default=6)
     parser.add_argument("--env", default=None)
@@ -51,7 +53,12 @@ def main() -> None:
         rollouts = work.generate(work.GenerateParams(**common, tokenizer_model=base)).id
         dataset = work.curate(work.CurateParams(**common, rollouts=rollouts)).id
         sft_id = work.sft(work.SFTParams(**common, base=base, dataset=dataset)).id
-    rl = work.rl(work.RLParams(**common, policy=sft_id))
+    if args.rl:
+        rl = store.manifest(args.rl)
+        if sft_id not in rl.parents:
+            parser.error(f"{args.rl} was not trained from {sft_id[:12]} (its parents: {rl.parents})")
+    else:
+        rl = work.rl(work.RLParams(**common, policy=sft_id))
     sft_eval = work.evaluate(work.EvaluateParams(**common, model=sft_id, name="rl-gain-sft"))
     rl_eval = work.evaluate(work.EvaluateParams(**common, model=rl.id, name="rl-gain-grpo"))
     report(store, sft_id, rl, sft_eval, rl_eval, f"profile {args.profile}, {p.env} {p.categories or 'all'}")
