@@ -4,9 +4,10 @@ A group whose rollouts all score the same (all solved, or all failed) has zero a
 spends a step's compute on it and learns nothing. Screening rolls each candidate task's group
 once with the initial policy (DAPO's dynamic sampling, done up front) and keeps the tasks whose
 rewards differ: the slices the policy *sometimes* solves. A slice (env / category / difficulty)
-that gives `drop_after` flat groups in a row is not drawn again, so a mastered or hopeless slice
-costs little. The kept groups were rolled with the weights step 1 starts from, so they are step
-1's rollouts (`training.rollouts.agent_rollout_func(screened=...)`): only flat groups are extra.
+whose first `drop_after` groups all scored one same reward (mastered, or hopeless) is not
+drawn again, so it costs little; a slice that has shown any variance stays in. The kept groups
+were rolled with the weights step 1 starts from, so they are step 1's rollouts
+(`training.rollouts.agent_rollout_func(screened=...)`): only flat groups are extra.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ class SliceScreen:
     groups: int = 0
     kept: int = 0
     rewards: list[float] = field(default_factory=list)
-    flat_in_row: int = 0
     dropped: bool = False
 
     def summary(self) -> dict[str, Any]:
@@ -105,8 +105,6 @@ def _record(found: Screening, task: Task, group: list[Outcome], drop_after: int)
     if len(set(rewards)) > 1:
         found.kept.append((task, group))
         stats.kept += 1
-        stats.flat_in_row = 0
-        return
-    found.flat.append((task, group))
-    stats.flat_in_row += 1
-    stats.dropped = stats.flat_in_row >= drop_after
+    else:
+        found.flat.append((task, group))
+    stats.dropped = stats.groups >= drop_after and len(set(stats.rewards)) <= 1

@@ -53,7 +53,19 @@ def test_screening_keeps_only_groups_with_differing_rewards_and_drops_flat_slice
     assert slices["web/lookup/easy"] == {"groups": 2, "kept": 0, "mean_reward": 1.0, "dropped": True}
     assert slices["web/lookup/hard"] == {"groups": 2, "kept": 0, "mean_reward": 0.0, "dropped": True}
     assert slices["web/lookup/medium"]["kept"] == 6 and not slices["web/lookup/medium"]["dropped"]
+
     assert all(size % 4 == 0 for size in rolled)  # Whole groups only.
+
+
+def test_a_slice_that_ever_varied_is_never_dropped() -> None:
+    groups = iter([[(None, 0.0), (None, 1.0)], *[[(None, 1.0), (None, 1.0)]] * 5, [(None, 0.0), (None, 1.0)]])
+
+    def roll(batch: list[Task]) -> list[tuple[Any, float]]:
+        return [outcome for _ in range(len(batch) // 2) for outcome in next(groups)]
+
+    found = screen_tasks(lambda: _task(0, "medium"), roll, group_size=2, needed=2, budget=7)
+    assert len(found.kept) == 2 and len(found.flat) == 5  # Five flat groups in a row, and still drawn.
+    assert not found.summary()["slices"]["web/lookup/medium"]["dropped"]
 
 
 def test_screening_stops_at_its_budget_when_nothing_is_learnable() -> None:
