@@ -265,11 +265,10 @@ def screen_into(
     if resume is not None and (resume / SCREENING_FILE).exists():
         saved = json.loads((resume / SCREENING_FILE).read_text())
         chosen = [Task(by_name[t["env"]], t["item"]) for t in saved["tasks"]]
-        summary = saved["summary"]
     else:
         chosen, summary = _screen(trainer, cfg, envs, screened)
         saved = {"summary": summary, "tasks": [{"env": t.env.name, "item": t.item} for t in chosen]}
-        (run.path / SCREENING_FILE).write_text(json.dumps(saved, default=str))
+    (run.path / SCREENING_FILE).write_text(json.dumps(saved, default=str))  # Rides in every step checkpoint.
     tasks.clear()
     rows = []
     for task in chosen:
@@ -277,7 +276,7 @@ def screen_into(
         tasks[prompt_key(prompt)] = task
         rows.append({"prompt": prompt, "env": task.env.name, "item_id": task.item["item_id"]})
     trainer.train_dataset = Dataset.from_list(rows)
-    return summary
+    return saved["summary"]
 
 
 def _screen(

@@ -154,7 +154,9 @@ def test_a_resumed_run_trains_on_the_tasks_it_screened(tiny_model: Path, tmp_pat
     (checkpoint / SCREENING_FILE).write_text(json.dumps(saved))
     trainer, tasks = SimpleNamespace(train_dataset=None), {}
     cfg = GRPORunConfig(envs=["file_stats"], screen_tasks=8)
-    summary = screen_into(trainer, cfg, [env], tasks, {}, RunDir(tmp_path, "resumed"), resume=checkpoint)
+    run = RunDir(tmp_path, "resumed")
+    summary = screen_into(trainer, cfg, [env], tasks, {}, run, resume=checkpoint)
     assert summary == {"kept": 2}  # No screening ran: the trainer was never asked to generate.
+    assert json.loads((run.path / SCREENING_FILE).read_text()) == saved  # The next step checkpoints carry it on.
     assert [r["item_id"] for r in trainer.train_dataset] == [i["item_id"] for i in items[1:]]
     assert set(tasks) == {prompt_key(task_prompt(env, item)) for item in items[1:]}
