@@ -163,16 +163,16 @@ def grpo_kwargs(cfg: GRPORunConfig, output_dir: str) -> dict[str, Any]:
 
 def task_dataset(envs: list[HermesAgentBaseEnv], num_tasks: int) -> tuple[Any, dict[str, Task]]:
     """`num_tasks` training prompts, the envs' tasks interleaved, and the task each prompt names."""
+    drawn = [envs[index % len(envs)] for index in range(num_tasks)]
+    return tasks_dataset([Task(env, asyncio.run(env.get_next_item())) for env in drawn])
+
+
+def tasks_dataset(chosen: list[Task]) -> tuple[Any, dict[str, Task]]:
+    """The training prompts naming `chosen`, and the task each prompt names."""
     from datasets import Dataset
 
-    rows, tasks = [], {}
-    for index in range(num_tasks):
-        env = envs[index % len(envs)]
-        item = asyncio.run(env.get_next_item())
-        prompt = task_prompt(env, item)
-        rows.append({"prompt": prompt, "env": env.name, "item_id": item["item_id"]})
-        tasks[prompt_key(prompt)] = Task(env, item)
-    return Dataset.from_list(rows), tasks
+    rows = [{"prompt": task_prompt(t.env, t.item), "env": t.env.name, "item_id": t.item["item_id"]} for t in chosen]
+    return Dataset.from_list(rows), {prompt_key(row["prompt"]): task for row, task in zip(rows, chosen, strict=True)}
 
 
 def task_prompt(env: HermesAgentBaseEnv, item: dict[str, Any]) -> list[dict[str, str]]:
@@ -259,7 +259,6 @@ def screen_into(
 ) -> dict[str, Any]:
     """Screen tasks with the trainer's initial policy and make the kept ones its dataset; `tasks` and
     `screened` (the rollout function's) are filled in. A resumed run reloads the tasks it screened."""
-    from datasets import Dataset
 
     by_name = {env.name: env for env in envs}
     if resume is not None and (resume / SCREENING_FILE).exists():
@@ -269,13 +268,9 @@ def screen_into(
         chosen, summary = _screen(trainer, cfg, envs, screened)
         saved = {"summary": summary, "tasks": [{"env": t.env.name, "item": t.item} for t in chosen]}
     (run.path / SCREENING_FILE).write_text(json.dumps(saved, default=str))  # Rides in every step checkpoint.
+    trainer.train_dataset, named = tasks_dataset(chosen)
     tasks.clear()
-    rows = []
-    for task in chosen:
-        prompt = task_prompt(task.env, task.item)
-        tasks[prompt_key(prompt)] = task
-        rows.append({"prompt": prompt, "env": task.env.name, "item_id": task.item["item_id"]})
-    trainer.train_dataset = Dataset.from_list(rows)
+    tasks.update(named)
     return saved["summary"]
 
 
