@@ -2,6 +2,10 @@
 
 A tool's first parameter is the task's `ToolContext` (not shown to the model). Toolsets are
 named lists of tools that an env enables with `enabled_toolsets`.
+
+Arguments are checked strictly against the schema, as held-out tool-calling benchmarks score
+them: a value of the wrong JSON type ("5" for an integer) or outside an enum is a tool error the
+model sees (and the rollout records), never silently converted, so rollouts teach the types too.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ _JSON_TYPES: dict[Any, str] = {
     float: "number",
     bool: "boolean",
     dict: "object",
+    list: "array",
 }
 _MAX_RESULT_CHARS = 8000
 
@@ -52,10 +57,16 @@ class Tool:
         unknown = set(arguments) - set(properties)
         if unknown:
             raise ToolCallError(f"{self.name}: unknown argument(s) {sorted(unknown)}; expected {sorted(properties)}")
-        missing = [name for name in self.parameters.get("required", []) if name not in arguments]
+        required = self.parameters.get("required", [])
+        # An optional argument sent as null means "not given": the tool's default applies.
+        kwargs = {name: value for name, value in arguments.items() if value is not None or name in required}
+        missing = [name for name in required if name not in kwargs]
         if missing:
             raise ToolCallError(f"{self.name}: missing required argument(s) {missing}")
-        kwargs = {name: _coerce(self.name, name, value, properties[name]) for name, value in arguments.items()}
+        for name, value in kwargs.items():
+            error = json_type_error(value, properties[name], f"argument '{name}'")
+            if error:
+                raise ToolCallError(f"{self.name}: {error}")
         try:
             result = self.fn(ctx, **kwargs)
         except AgentError:
@@ -101,36 +112,53 @@ def defined_tools() -> dict[str, Tool]:
 
 def _json_schema(annotation: Any) -> dict[str, Any]:
     origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
-        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        options = [a for a in args if a is not type(None)]
         return _json_schema(options[0]) if options else {"type": "string"}
+    if origin is typing.Literal:
+        return {"type": _JSON_TYPES.get(type(args[0]), "string"), "enum": list(args)}
     if origin in (list, tuple):
-        args = typing.get_args(annotation)
         return {"type": "array", "items": _json_schema(args[0]) if args else {}}
     if origin is dict:
-        return {"type": "object"}
+        return {"type": "object", "additionalProperties": _json_schema(args[1])} if args else {"type": "object"}
     return {"type": _JSON_TYPES.get(annotation, "string")}
 
 
-def _coerce(tool_name: str, name: str, value: Any, spec: dict[str, Any]) -> Any:
-    """Accept what small models send (numbers as strings, etc.) when it is unambiguous."""
-    kind = spec.get("type")
-    try:
-        if kind == "string" and not isinstance(value, str):
-            return value if value is None else json.dumps(value) if isinstance(value, dict | list) else str(value)
-        if kind == "integer" and not isinstance(value, bool):
-            return int(value)
-        if kind == "number" and not isinstance(value, bool):
-            return float(value)
-        if kind == "boolean" and isinstance(value, str):
-            return value.strip().lower() in ("true", "1", "yes")
-        if kind == "object" and isinstance(value, str):
-            return json.loads(value)
-        if kind == "array" and not isinstance(value, list):
-            return json.loads(value) if isinstance(value, str) else [value]
-    except (TypeError, ValueError, OverflowError, RecursionError) as err:  # int(inf), int(nan), deep JSON.
-        raise ToolCallError(f"{tool_name}: argument '{name}' should be {kind}, got {value!r:.80}") from err
-    return value
+def json_type(value: Any) -> str:
+    """The JSON type name of a decoded JSON value (`bool` is boolean, never integer).
+
+    >>> json_type(1), json_type(1.0), json_type("1"), json_type(True), json_type(None)
+    ('integer', 'number', 'string', 'boolean', 'null')
+    """
+    if value is None:
+        return "null"
+    kinds = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"), (dict, "object"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
+
+
+def json_type_error(value: Any, spec: dict[str, Any], name: str = "value") -> str | None:
+    """Why `value` does not fit the JSON schema `spec` (type, enum, items, additionalProperties); None if it fits.
+
+    An integer is also a number (1 fits "number"); nothing else converts: "1" is not an integer.
+
+    >>> json_type_error("5", {"type": "integer"}, "argument 'n'")
+    "argument 'n' should be integer, got string '5'"
+    >>> json_type_error([1, 2], {"type": "array", "items": {"type": "integer"}}) is None
+    True
+    """
+    kind, actual = spec.get("type"), json_type(value)
+    if kind and kind != actual and not (kind == "number" and actual == "integer"):
+        return f"{name} should be {kind}, got {actual} {value!r:.80}"
+    if "enum" in spec and value not in spec["enum"]:
+        return f"{name} should be one of {spec['enum']}, got {value!r:.80}"
+    if isinstance(value, list) and "items" in spec:
+        errors = (json_type_error(item, spec["items"], f"{name}[{i}]") for i, item in enumerate(value))
+        return next((e for e in errors if e), None)
+    if isinstance(value, dict) and "additionalProperties" in spec:
+        errors = (json_type_error(v, spec["additionalProperties"], f"{name}[{k!r}]") for k, v in value.items())
+        return next((e for e in errors if e), None)
+    return None
 
 
 # -- the built-in toolsets -----------------------------------------------------------------------
@@ -148,13 +176,19 @@ def terminal(ctx: ToolContext, command: str, timeout: int = 30) -> str:
 
 
 @tool
-def read_file(ctx: ToolContext, path: str) -> str:
+def read_file(ctx: ToolContext, path: str, max_lines: int | None = None) -> str:
     """Read a text file from the workspace.
 
     Args:
         path: File path relative to the workspace.
+        max_lines: Show only the first this many lines (all when omitted).
     """
-    return ctx.read_file(path)
+    text = ctx.read_file(path)
+    if max_lines is None:
+        return text
+    if max_lines < 1:
+        raise ToolCallError(f"read_file: max_lines must be at least 1, got {max_lines}")
+    return "".join(text.splitlines(keepends=True)[:max_lines])
 
 
 @tool
