@@ -2,7 +2,8 @@
 
 The env starts one `ShopSite` HTTP server (`web/site.py`) in `setup()` and stops it in
 `teardown()`; the agent uses browser-like tools (`web/browser.py`: open_url, follow_link, search,
-submit_form). The verifier checks the final answer against the shop's ground truth.
+submit_form) and answers with `submit_answer` (typed: integer ids, a number for a price). The
+verifier checks that submission against the shop's ground truth.
 
     python environments/web_navigation.py process --env.total_steps 8 --env.tokenizer_name MODEL_DIR \
         --env.data_path_to_save_groups out/web.jsonl --openai.base_url http://127.0.0.1:8000/v1
@@ -18,7 +19,6 @@ from pydantic import Field
 from environments.agent_loop import AgentResult
 from environments.hermes_base_env import HermesAgentEnvConfig
 from environments.policies import ScriptedPolicy
-from environments.rewards import final_answer
 from environments.task_env import TaskEnv
 from environments.tasks import web_tasks as tasks
 from environments.tool_context import ToolContext
@@ -57,7 +57,7 @@ class WebNavigationEnv(TaskEnv):
         return ScriptedPolicy(actions, self.config.tool_call_parser)
 
     async def verify(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> bool:
-        return tasks.verify(item, final_answer(result.messages))
+        return tasks.verify(item, ctx.state.get("answer"))
 
 
 if __name__ == "__main__":

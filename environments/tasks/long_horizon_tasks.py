@@ -122,7 +122,7 @@ def _oracle(name: str, function: str, files: dict[str, str], example: str) -> li
         steps += [call("write_file", path=path, content=content), call("read_file", path=path)]
     steps += [
         call("terminal", command=f"python -c 'from {name}.core import {function}; print({example})'"),
-        call("terminal", command="python -m pytest -q tests"),
+        call("terminal", command="python -m pytest -q tests", timeout=120),  # A test run may outlast the 30 s default.
         call("list_files", path="."),
     ]
     steps += [call("terminal", command=f"git add {path}") for path in files]

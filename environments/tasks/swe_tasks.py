@@ -117,10 +117,7 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
             call("list_files", path="."),
             call("read_file", path=buggy_path),
             call("write_file", path=buggy_path, content=module_source(modules[buggy], fixed=True)),
-            call(
-                "terminal",
-                command=f"python -c 'from {package}.{modules[buggy]} import {buggy}; print({buggy})'",
-            ),
+            call("terminal", command="python -m pytest -q tests", timeout=120),
             final(f"Fixed `{buggy}` in {buggy_path}."),
         ],
     }

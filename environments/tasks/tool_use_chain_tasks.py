@@ -6,7 +6,8 @@ Categories:
 - `csv_summary`: total a CSV's amounts per region into summary.json.
 
 Each task carries its ground truth (`answer`, computed from the generated files, not from the
-workspace) and an `oracle` action list that solves it with the same tools the agent has.
+workspace) and an `oracle` action list that solves it with the same tools the agent has. JSON
+answers are checked with their types: a count is an integer and a total a number, never a string.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import random
 from typing import Any
 
 from environments.policies import call, final
+from environments.tools import json_type_error
 
 CATEGORIES = ("todo_report", "line_count", "csv_summary")
 _SIZE = {"easy": 3, "medium": 6, "hard": 10}
@@ -43,6 +45,8 @@ _IMPORTS = (
     "from typing import Any",
 )
 _REGIONS = ("north", "south", "east", "west", "central")
+_COUNTS = {"type": "object", "additionalProperties": {"type": "integer"}}
+_TOTALS = {"type": "object", "additionalProperties": {"type": "number"}}
 
 
 def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, Any]:
@@ -155,10 +159,13 @@ def verify(item: dict[str, Any], read: Any) -> bool:
         if item["category"] == "todo_report":
             return _table_rows(read("report.md")) == [[f, int(n), t] for f, n, t in answer["rows"]]
         if item["category"] == "line_count":
-            return json.loads(read("counts.json")) == answer["counts"]
+            counts = json.loads(read("counts.json"))
+            return json_type_error(counts, _COUNTS) is None and counts == answer["counts"]
         produced = json.loads(read("summary.json"))
-        return set(produced) == set(answer["totals"]) and all(
-            abs(float(produced[k]) - v) <= 0.011 for k, v in answer["totals"].items()
+        return (
+            json_type_error(produced, _TOTALS) is None
+            and set(produced) == set(answer["totals"])
+            and all(abs(produced[k] - v) <= 0.011 for k, v in answer["totals"].items())
         )
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return False

@@ -1,5 +1,7 @@
 """Browser tools (`WEB_TOOLS`): open a page, follow a link, search, submit a form; text and numbered links back.
 
+`submit_answer` records the agent's typed answer (integer product ids, a number for a price) in
+the task's state, where the verifier reads it: a mistyped answer is refused, so never recorded.
 `open_url` reaches only the task's own shop: a live `ShopSite` of this process, under the task's
 `/t/<key>/<difficulty>/` (read from `ctx.state["item"]`, which the base env sets and never shows).
 """
@@ -16,7 +18,7 @@ import httpx
 from environments.errors import ToolCallError
 from environments.tool_context import ToolContext
 from environments.tools import Tool, tool
-from environments.web.site import is_live_origin
+from environments.web.site import Department, is_live_origin
 
 
 class _PageParser(HTMLParser):
@@ -111,26 +113,40 @@ def follow_link(ctx: ToolContext, text: str) -> str:
 
 
 @tool
-def search(ctx: ToolContext, query: str) -> str:
-    """Search the current site with its search form.
+def search(
+    ctx: ToolContext,
+    query: str = "",
+    department: Department | None = None,
+    max_price: float | None = None,
+    in_stock: bool = False,
+) -> str:
+    """Search the current site with its search form; every given filter must hold.
 
     Args:
-        query: Words to search for.
+        query: Words the product title must contain.
+        department: Only products of this department.
+        max_price: Only products priced at most this many dollars.
+        in_stock: True: only products in stock.
     """
-    forms = [f for f in ctx.state.get("forms") or [] if f["name"] == "search"]
-    if not forms:
+    if not any(f["name"] == "search" for f in ctx.state.get("forms") or []):
         raise ToolCallError("search: the current page has no search form; open the home page first")
-    return submit_form(ctx, {"form": "search", "fields": {forms[0]["fields"][0]: query}})
+    price = "" if max_price is None else str(max_price)
+    fields = {"q": query, "department": department or "", "max_price": price, "in_stock": "yes" if in_stock else ""}
+    return _submit(ctx, "search", fields)
 
 
 @tool
-def submit_form(ctx: ToolContext, form: str, fields: dict) -> str:
+def submit_form(ctx: ToolContext, form: str, fields: dict[str, str]) -> str:
     """Fill in and submit a form of the current page.
 
     Args:
         form: The form's name.
         fields: Field name -> value.
     """
+    return _submit(ctx, form, fields)
+
+
+def _submit(ctx: ToolContext, form: str, fields: dict[str, str]) -> str:
     match = [f for f in ctx.state.get("forms") or [] if f["name"] == form]
     if not match:
         raise ToolCallError(f"submit_form: no form '{form}' on the current page")
@@ -140,4 +156,16 @@ def submit_form(ctx: ToolContext, form: str, fields: dict) -> str:
     return _browse(ctx, f"{match[0]['action']}?{urllib.parse.urlencode(fields)}")
 
 
-WEB_TOOLS: list[Tool] = [open_url, follow_link, search, submit_form]
+@tool
+def submit_answer(ctx: ToolContext, product_ids: list[int], price: float | None = None) -> str:
+    """Submit your final answer (the last submission counts), then reply with a short summary.
+
+    Args:
+        product_ids: The ids of the products asked for, as integers.
+        price: The price in dollars as a number, when the question asks for one.
+    """
+    ctx.state["answer"] = {"product_ids": product_ids, "price": price}
+    return f"Answer recorded: product_ids={product_ids}" + ("" if price is None else f", price={price}")
+
+
+WEB_TOOLS: list[Tool] = [open_url, follow_link, search, submit_form, submit_answer]

@@ -1,7 +1,8 @@
 """`ShopSite`: generated shops served on 127.0.0.1, one server for every web-navigation task.
 
 The site is stateless: every page of shop `key` is regenerated from the key, so one server
-serves every task. Product ids are random hex, so an answer cannot be guessed from the prompt.
+serves every task. Product ids are random 6-digit integers, so an answer cannot be guessed from
+the prompt. The search form filters by words, department, highest price and stock.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import threading
 import urllib.parse
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Literal, get_args
 
-SHELVES = ("books", "garden", "kitchen", "toys", "sports", "audio")
+Department = Literal["books", "garden", "kitchen", "toys"]
+DEPARTMENTS: tuple[str, ...] = get_args(Department)
+_SEARCH_FIELDS = ("q", "department", "max_price", "in_stock")
 SIZES = {"easy": (12, 8), "medium": (24, 6), "hard": (40, 4)}  # Per difficulty: products, page size.
 _ADJ = ("red", "silent", "rapid", "cozy", "golden", "tiny", "smart", "rustic", "bright", "classic")
 _NOUN = ("lamp", "kettle", "racket", "speaker", "novel", "shovel", "robot", "blender", "puzzle", "headset")
@@ -23,26 +26,46 @@ _LIVE_ORIGINS: set[str] = set()  # The shop servers this process runs: the only 
 
 @dataclass(frozen=True)
 class Product:
-    id: str
+    id: int
     title: str
     shelf: str
     price: float
+    in_stock: bool
 
 
 def catalog(key: str, difficulty: str) -> list[Product]:
     """The shop's products, in listing order (deterministic in `key`)."""
     rng = random.Random(f"shop:{key}")
     count, _ = SIZES[difficulty]
-    products, titles = [], set()
+    products: list[Product] = []
+    titles, ids = set(), set()
     while len(products) < count:
         title = f"{rng.choice(_ADJ).capitalize()} {rng.choice(_NOUN)} {rng.randint(10, 99)}"
-        if title in titles:
+        product_id = rng.randint(100000, 999999)
+        if title in titles or product_id in ids:
             continue
         titles.add(title)
-        products.append(
-            Product(f"p-{rng.getrandbits(24):06x}", title, rng.choice(SHELVES[:4]), round(rng.uniform(5, 120), 2))
-        )
+        ids.add(product_id)
+        shelf, price = rng.choice(DEPARTMENTS), round(rng.uniform(5, 120), 2)
+        in_stock = rng.random() < 0.8 or not products  # The first is in stock: every shop has one.
+        products.append(Product(product_id, title, shelf, price, in_stock))
     return products
+
+
+def _search_hits(products: list[Product], query: dict[str, str]) -> list[Product]:
+    """Products whose titles hold every word of `q`, of `department`, priced at most `max_price`,
+    in stock when `in_stock` is "yes" (an empty field does not filter); ValueError for a bad price."""
+    words = query.get("q", "").lower().split()
+    department = query.get("department", "")
+    max_price = float(query["max_price"]) if query.get("max_price") else None
+    return [
+        p
+        for p in products
+        if all(w in p.title.lower() for w in words)
+        and (not department or p.shelf == department)
+        and (max_price is None or p.price <= max_price)
+        and (query.get("in_stock") != "yes" or p.in_stock)
+    ]
 
 
 def is_live_origin(origin: str) -> bool:
@@ -98,7 +121,9 @@ class _Handler(BaseHTTPRequestHandler):
                 + "".join(
                     f'<li><a href="{root}/c/{s}">{s.capitalize()}</a></li>' for s in sorted({p.shelf for p in products})
                 )
-                + f'</ul><form name="search" action="{root}/search"><input name="q"></form>'
+                + f'</ul><form name="search" action="{root}/search">'
+                + "".join(f'<input name="{name}">' for name in _SEARCH_FIELDS)
+                + "</form>"
             )
             return self._send(200, body)
         if rest[0] == "c" and len(rest) == 2:
@@ -115,18 +140,21 @@ class _Handler(BaseHTTPRequestHandler):
             nav = f'<a href="{root}/c/{rest[1]}?page={page + 1}">Next page</a>' if page * page_size < len(shelf) else ""
             return self._send(200, f"<h1>{rest[1].capitalize()} (page {page})</h1><ul>{items}</ul>{nav}")
         if rest[0] == "p" and len(rest) == 2:
-            match = [p for p in products if p.id == rest[1]]
+            match = [p for p in products if str(p.id) == rest[1]]
             if not match:
                 return self._send(404, "<h1>No such product</h1>")
             p = match[0]
             return self._send(
                 200,
                 f"<h1>{html.escape(p.title)}</h1><p>Product id: {p.id}</p><p>Price: ${p.price:.2f}</p>"
+                f"<p>In stock: {'yes' if p.in_stock else 'no'}</p>"
                 f'<p>Department: <a href="{root}/c/{p.shelf}">{p.shelf}</a></p>',
             )
         if rest[0] == "search":
-            words = query.get("q", "").lower().split()
-            hits = [p for p in products if words and all(w in p.title.lower() for w in words)]
+            try:
+                hits = _search_hits(products, query)
+            except ValueError:
+                return self._send(400, "<h1>Bad search: max_price must be a number</h1>")
             items = "".join(f'<li><a href="{root}/p/{p.id}">{html.escape(p.title)}</a></li>' for p in hits)
             return self._send(200, f"<h1>Search results</h1><ul>{items or '<li>No results</li>'}</ul>")
         return self._send(404, "<h1>Not found</h1>")

@@ -1,10 +1,11 @@
 """Every env's verifier is proved: the oracle solves every category x difficulty slice (>= 99 % of
-200 generated tasks in the `sweep` run), and a do-nothing policy and three or more cheating
-policies per env score exactly 0.0."""
+200 generated tasks in the `sweep` run), a do-nothing policy and three or more cheating policies
+per env score exactly 0.0, and a right answer with the wrong JSON types earns nothing."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -60,8 +61,10 @@ def _rewards(
     return [reward for reward, _ in _outcomes(env_cls, tiny_model, items, policy)]
 
 
-def _stratified(env_cls: type[HermesAgentBaseEnv], tiny_model: Path, per_slice: int) -> list[int]:
-    """Stream indices holding `per_slice` items of every (category, difficulty) slice."""
+def _stratified(
+    env_cls: type[HermesAgentBaseEnv], tiny_model: Path, per_slice: int, categories: tuple[str, ...] | None = None
+) -> list[int]:
+    """Stream indices holding `per_slice` items of every (category, difficulty) slice (of `categories`)."""
     stream = env_cls(tokenizer_name=str(tiny_model), teacher="oracle")
     asyncio.run(stream.setup())
     taken: dict[tuple[str, str], int] = {}
@@ -69,7 +72,7 @@ def _stratified(env_cls: type[HermesAgentBaseEnv], tiny_model: Path, per_slice: 
     for index in range(400):
         item = stream.stream.item(index)
         key = (item["category"], item["difficulty"])
-        if taken.get(key, 0) < per_slice:
+        if taken.get(key, 0) < per_slice and (categories is None or item["category"] in categories):
             taken[key] = taken.get(key, 0) + 1
             indices.append(index)
     asyncio.run(stream.teardown())
@@ -98,9 +101,9 @@ def _output_file(item: dict[str, Any]) -> str:
     return {"todo_report": "report.md", "line_count": "counts.json", "csv_summary": "summary.json"}[item["category"]]
 
 
-def _fake_ids(item: dict[str, Any]) -> str:
+def _fake_ids(item: dict[str, Any]) -> list[int]:
     rng = random.Random(item["item_id"])
-    return "\n".join(f"p-{rng.getrandbits(24):06x}: Red lamp 42" for _ in range(3))
+    return [rng.randint(100000, 999999) for _ in range(3)]
 
 
 SKIP_ALL_CONFTEST = """import pytest
@@ -142,11 +145,13 @@ CHEATS: dict[str, dict[str, Actions]] = {
     },
     "web_navigation": {
         "claims_success": lambda item: [final("I found exactly what you asked for.")],
-        "fake_results": lambda item: [final(_fake_ids(item))],
+        "fake_results": lambda item: [call("submit_answer", product_ids=_fake_ids(item), price=10.0), final("Done.")],
         "prompt_only": lambda item: [final(item["prompt"])],
+        "right_answer_in_text_only": lambda item: [item["oracle"][-1]],  # The oracle's final reply, not submitted.
         "guesses_from_home_page": lambda item: [
             call("open_url", url="http://127.0.0.1:1/"),
-            final("p-000000: Red lamp 10"),
+            call("submit_answer", product_ids=[100000], price=10.0),
+            final("100000: Red lamp 10"),
         ],
     },
     "swe_bench": {
@@ -211,3 +216,42 @@ def test_do_nothing_and_cheats_score_zero(env_cls: type[HermesAgentBaseEnv], tin
     for label, policy in {"do_nothing": lambda item: do_nothing(), **cheats}.items():
         rewards = _rewards(env_cls, tiny_model, 6, policy)
         assert max(rewards) == 0.0, f"{env_cls.name}/{label} scored {rewards}"
+
+
+def _as_strings(value: Any) -> Any:
+    """`value` with every number written as a string, as small models send them."""
+    if isinstance(value, dict):
+        return {k: _as_strings(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_strings(v) for v in value]
+    return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
+
+
+def _answer(item: dict[str, Any], stringly: bool) -> list[dict[str, Any]]:
+    """Only the oracle's answer (its `submit_answer` or the JSON file it writes), numbers as strings if `stringly`."""
+    actions = []
+    for action in item["oracle"]:
+        args = action.get("arguments", {})
+        if action.get("tool") == "submit_answer":
+            actions.append(call("submit_answer", **_as_strings(args)) if stringly else action)
+        elif str(args.get("path")).endswith(".json"):
+            content = json.dumps(_as_strings(json.loads(args["content"]))) if stringly else args["content"]
+            actions.append(call("write_file", path=args["path"], content=content))
+    return [*actions, final("Done.")]
+
+
+@pytest.mark.parametrize(
+    ("env_cls", "categories"),
+    [(WebNavigationEnv, WebNavigationEnv.categories), (ToolUseChainEnv, ("line_count", "csv_summary"))],
+    ids=["web_navigation", "tool_use_chain"],
+)
+def test_a_right_answer_with_wrong_json_types_earns_nothing(
+    env_cls: type[HermesAgentBaseEnv], categories: tuple[str, ...], tiny_model: Path
+) -> None:
+    """The oracle's own answer earns full credit typed, and nothing with its ids, prices, counts or totals
+    as strings ("534177" for 534177): held-out benchmarks score types, so rounds must teach them."""
+    indices = _stratified(env_cls, tiny_model, per_slice=1, categories=categories)
+    typed = _outcomes(env_cls, tiny_model, indices, lambda item: _answer(item, stringly=False))
+    assert all(done and reward >= 0.98 for reward, done in typed), typed  # tool_use_chain: 0.01 less per turn.
+    stringly = _outcomes(env_cls, tiny_model, indices, lambda item: _answer(item, stringly=True))
+    assert all(reward == 0.0 and done is False for reward, done in stringly), stringly
