@@ -1,5 +1,7 @@
 """The shipped offline lm-eval suite: tool-call formatting, tool selection, and a little reasoning.
 
+Tool-call items use typed arguments (integers, numbers, booleans, enums, arrays) and are scored
+strictly (`tasks/utils.py`): "5" for an integer is wrong, as on held-out tool-calling benchmarks.
 Items are generated deterministically (seeded) from the environments' vocabulary, carry
 `category` and `difficulty` in the doc (for weakness mining), and are written as lm-eval YAML +
 JSONL into a folder that `--include_path` / `TaskManager(include_path=...)` reads; the same items
@@ -16,13 +18,23 @@ from typing import Any
 
 from data import ArtifactNotFound, ArtifactStore, Manifest
 
-SUITE_VERSION = 1
+SUITE_VERSION = 2
 SUITE_TASKS = ("flywheel_tool_call", "flywheel_tool_select", "flywheel_reasoning")
-TOOLS = ("terminal", "read_file", "write_file", "list_files", "open_url")
+TOOLS = ("terminal", "read_file", "write_file", "list_files", "open_url", "search", "submit_answer")
 _SYSTEM = (
-    "You can call these tools: terminal(command), read_file(path), write_file(path, content), list_files(path), "
-    'open_url(url). To call one, reply with <tool_call>{"name": ..., "arguments": {...}}</tool_call>.'
+    "You can call these tools (optional arguments in brackets):\n"
+    "- terminal(command: string, [timeout: integer seconds])\n"
+    "- read_file(path: string, [max_lines: integer])\n"
+    "- write_file(path: string, content: string)\n"
+    "- list_files(path: string)\n"
+    "- open_url(url: string)\n"
+    '- search(query: string, [department: "books" | "garden" | "kitchen" | "toys"], [max_price: number], '
+    "[in_stock: boolean])\n"
+    "- submit_answer(product_ids: array of integers, [price: number])\n"
+    'To call one, reply with <tool_call>{"name": ..., "arguments": {...}}</tool_call>, every argument '
+    "in its JSON type."
 )
+_DEPARTMENTS = ("books", "garden", "kitchen", "toys")
 _DIRS = ("src", "docs", "app/core", "tests", "data/raw", "pkg/util/io")
 _FILES = ("notes.md", "config.json", "main.py", "report.csv", "todo.txt", "setup.cfg")
 _WORDS = ("alpha", "ready", "draft", "done", "pending", "ok")
@@ -41,12 +53,28 @@ def _tool_call_item(rng: random.Random, index: int) -> dict[str, Any]:
     word = rng.choice(_WORDS)
     folder = path.rsplit("/", 1)[0] if "/" in path else "."
     distractor = " The user is in a hurry." if difficulty == "hard" else ""
+    lines, seconds = rng.randint(2, 40), rng.choice((10, 60, 120))
+    price = rng.choice((15, 40, 99.5, 12.75))
+    department, in_stock = rng.choice(_DEPARTMENTS), rng.random() < 0.5
+    product_ids = rng.sample(range(100000, 999999), 1 if difficulty == "easy" else 2)
+    stock = "only items in stock" if in_stock else "including items out of stock"
     intents = {
-        "read_file": (f"Show me the contents of {path}.", {"path": path}),
+        "read_file": (f"Show me the first {lines} lines of {path}.", {"path": path, "max_lines": lines}),
         "write_file": (f"Create the file {path} containing exactly: {word}", {"path": path, "content": word}),
         "list_files": (f"List the files in the folder {folder}.", {"path": folder}),
-        "terminal": (f"Run the shell command `wc -l {path}`.", {"command": f"wc -l {path}"}),
+        "terminal": (
+            f"Run the shell command `wc -l {path}` with a timeout of {seconds} seconds.",
+            {"command": f"wc -l {path}", "timeout": seconds},
+        ),
         "open_url": (f"Open the web page http://127.0.0.1:8000/{word}.", {"url": f"http://127.0.0.1:8000/{word}"}),
+        "search": (
+            f"Search the shop for '{word} lamp' in the {department} department, at most ${price}, {stock}.",
+            {"query": f"{word} lamp", "department": department, "max_price": price, "in_stock": in_stock},
+        ),
+        "submit_answer": (
+            f"Submit the answer: product id(s) {', '.join(map(str, product_ids))}, price ${price}.",
+            {"product_ids": product_ids, "price": price},
+        ),
     }
     request, arguments = intents[tool]
     return {
@@ -112,11 +140,14 @@ def _yaml(task: str, data_file: Path) -> str:
         )
     scorer = "process_tool_call" if task == "flywheel_tool_call" else "process_number"
     metrics = "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+    max_tokens = 64
     if task == "flywheel_tool_call":
         metrics += "  - metric: valid_call\n    aggregation: mean\n    higher_is_better: true\n"
+        max_tokens = 96  # The longest typed call is ~55 tokens.
     return common + (
         "output_type: generate_until\ndoc_to_target: '{{target}}'\n"
-        "generation_kwargs:\n  until: ['<|im_end|>', '</tool_call>\\n\\n']\n  max_gen_toks: 64\n  do_sample: false\n"
+        "generation_kwargs:\n  until: ['<|im_end|>', '</tool_call>\\n\\n']\n"
+        f"  max_gen_toks: {max_tokens}\n  do_sample: false\n"
         f"process_results: !function utils.{scorer}\nmetric_list:\n{metrics}"
     )
 

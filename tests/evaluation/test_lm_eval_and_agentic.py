@@ -12,6 +12,8 @@ import pytest
 from data import ArtifactStore, lineage
 from evaluation.agentic import AgenticEvalConfig, run_agentic_eval
 from evaluation.lm_eval_runner import LMEvalConfig, model_args, run_lm_eval
+from evaluation.suite import suite_items
+from evaluation.tasks.utils import process_tool_call
 from inference import ModelServer, ServerConfig
 from tests.flows.test_cli import run
 
@@ -29,6 +31,53 @@ def test_model_args_for_every_backend(tiny_model: Path) -> None:
     assert chat["base_url"] == "http://h:1/v1/chat/completions" and chat["tokenizer"] == str(tiny_model)
     with pytest.raises(ValueError, match="server_url"):
         model_args(LMEvalConfig(backend="local-completions"), tiny_model)
+
+
+SEARCH = {
+    "name": "search",
+    "arguments": {"query": "red lamp", "department": "garden", "max_price": 40, "in_stock": True},
+}
+
+
+def _reply(*calls: dict[str, object]) -> str:
+    return "".join(f"<tool_call>{json.dumps(c)}</tool_call>" for c in calls)
+
+
+def _with(**arguments: object) -> dict[str, object]:
+    return {"name": "search", "arguments": SEARCH["arguments"] | arguments}
+
+
+@pytest.mark.parametrize(
+    ("reply", "acc", "valid_call"),
+    [
+        (_reply(SEARCH), 1.0, 1.0),
+        (_reply(_with(max_price=40.0)), 1.0, 1.0),  # 40.0 is 40: both JSON numbers.
+        (_reply(_with(department="kitchen")), 0.0, 1.0),  # A wrong value.
+        (_reply(_with(max_price="40")), 0.0, 1.0),  # The right value as a string.
+        (_reply(_with(in_stock="true")), 0.0, 1.0),
+        (_reply(_with(in_stock=1)), 0.0, 1.0),  # 1 is not true.
+        (_reply(_with(sort="price_asc")), 0.0, 1.0),  # An extra argument.
+        (_reply({"name": "search", "arguments": {"query": "red lamp"}}), 0.0, 1.0),  # Missing arguments.
+        (_reply({"name": "open_url", "arguments": SEARCH["arguments"]}), 0.0, 1.0),  # Another tool.
+        (_reply(SEARCH, SEARCH), 0.0, 0.0),  # Two calls.
+        ('<tool_call>{"name": "search", "arguments": {"query": </tool_call>', 0.0, 0.0),  # Malformed.
+        ("I would search for a red lamp.", 0.0, 0.0),  # No call.
+    ],
+)
+def test_tool_call_scorer_is_strict(reply: str, acc: float, valid_call: float) -> None:
+    doc = {"target": json.dumps(SEARCH)}
+    assert process_tool_call(doc, [reply]) == {"acc": acc, "valid_call": valid_call}
+
+
+def test_suite_tool_calls_are_typed_and_their_targets_score_1() -> None:
+    items = suite_items(size=14)["flywheel_tool_call"]
+    kinds = set()
+    for item in items:
+        target = json.loads(item["target"])
+        assert process_tool_call(item, [_reply(target)])["acc"] == 1.0
+        kinds |= {type(v) for v in target["arguments"].values()}
+    assert kinds == {str, int, float, bool, list}
+    assert {json.loads(i["target"])["name"] for i in items} >= {"read_file", "search", "submit_answer"}
 
 
 def test_suite_on_hf_backend_lands_in_the_store(store: ArtifactStore, tiny_model: Path) -> None:
