@@ -25,24 +25,18 @@ from flows.profiles import PROFILES, RoundProfile
 
 
 def plain_round(store_url: str, p: RoundProfile) -> str:
-    """Base eval, gate r0, then round 1: the calls `flywheel` makes, with no orchestration."""
+    """Round 1 (and round 0 before it) through `run_round`, each stage its library calls, no orchestration."""
     from data import ArtifactStore
-    from flows import work
-    from training.models import prepare_model
+    from flows.flywheel import run_round
+    from flows.stages import STAGES
 
     store = ArtifactStore(store_url)
     common = {"store_url": store.root_url, "profile": p}
-    base = prepare_model(p.model, store).id
-    base_eval = work.evaluate(work.EvaluateParams(**common, round_no=0, model=base, name="agentic-base")).id
-    work.promote(work.GateParams(**common, round_no=0, evals=[base_eval], candidate=base))
-    rollouts = work.generate(work.GenerateParams(**common, round_no=1, tokenizer_model=base)).id
-    dataset = work.curate(work.CurateParams(**common, round_no=1, rollouts=rollouts)).id
-    sft = work.sft(work.SFTParams(**common, round_no=1, base=base, dataset=dataset)).id
-    rl = work.rl(work.RLParams(**common, round_no=1, policy=sft)).id
-    evals = [work.evaluate(work.EvaluateParams(**common, round_no=1, model=rl, name="agentic-r1")).id]
-    decision = work.promote(work.GateParams(**common, round_no=1, evals=evals, candidate=rl)).id
-    weaknesses = work.mine(work.MineParams(**common, round_no=1, evals=evals)).id
-    return work.report(work.ReportParams(**common, round_no=1, refs=[*evals, weaknesses, decision])).id
+
+    def stage(name: str, /, **fields: object) -> str:
+        return STAGES[name].work(STAGES[name].params(**common, **fields)).id
+
+    return run_round(store, 1, p, stage)[0]
 
 
 def timed(fn, *args, **kwargs) -> float:

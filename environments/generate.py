@@ -1,6 +1,8 @@
-"""Generate scored rollouts with an env in `process` mode (programmatically) and store them.
+"""Generate scored rollouts with envs in `process` mode (programmatically) and store them.
 
-The actor is the env's oracle (teacher data for a first round) or an OpenAI-compatible server.
+A generation is a list of parts, each one env run by one actor - the env's oracle (teacher data)
+or an OpenAI-compatible server (an endpoint teacher, or the policy itself) - over a slice mix;
+all parts land in one `rollouts` artifact, a JSONL file per part.
 """
 
 from __future__ import annotations
@@ -9,57 +11,82 @@ import asyncio
 import json
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
 
 from data import ArtifactStore, Manifest
 from environments.registry import env_class
 from environments.servers import server_configs
 
 
+class GenerationPart(BaseModel):
+    """One env, one actor, how many groups, and the slice weights of its task stream."""
+
+    env: str = Field(description="Env name (registered, module:Class or file).")
+    groups: int = Field(ge=1, description="Groups to generate.")
+    teacher: Literal["oracle", "server"] = Field(default="oracle", description="The env's oracle, or `base_url`.")
+    base_url: str | None = Field(default=None, description="OpenAI-compatible base URL (teacher=server).")
+    model_name: str | None = Field(default=None, description="Model name at `base_url`.")
+    api_key_env: str | None = Field(default=None, description="Environment variable holding its API key.")
+    task_mix: dict[str, float] | None = Field(default=None, description="'category/difficulty' -> weight.")
+    label: str = Field(default="", description="Names the part's file: `<env>[-<label>].jsonl`.")
+    env_config: dict[str, Any] = Field(default_factory=dict, description="More env config (slice filters, caps).")
+
+    @property
+    def filename(self) -> str:
+        return f"{self.env}-{self.label}.jsonl" if self.label else f"{self.env}.jsonl"
+
+
 def generate_rollouts(
     store: ArtifactStore,
-    env_name: str,
+    parts: list[GenerationPart],
     *,
-    groups: int,
     group_size: int,
     tokenizer: str,
-    teacher: str = "oracle",
-    base_url: str | None = None,
-    model_name: str | None = None,
-    api_key_env: str | None = None,
-    task_mix: dict[str, float] | None = None,
     seed: int = 0,
     name: str = "rollouts",
     parents: list[str] | None = None,
-    **env_config: Any,
 ) -> Manifest:
-    """Run `groups` groups of `group_size` rollouts and store the JSONL (+ stats) as a `rollouts` artifact."""
+    """Run every part's groups of `group_size` rollouts; store the JSONL files (+ stats) as one `rollouts` artifact."""
+    if not parts:
+        raise ValueError("nothing to generate: no generation part has groups")
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp, f"{env_name}.jsonl")
-        servers = server_configs(base_url, model_name or "teacher", api_key_env) if base_url else None
-        env = env_class(env_name)(
-            server_configs=servers,
-            tokenizer_name=tokenizer,
-            teacher=teacher,
-            group_size=group_size,
-            total_steps=groups,
-            task_mix=task_mix,
-            seed=seed,
-            data_path_to_save_groups=str(out),
-            **env_config,
-        )
-        env.process_mode = True
-        env.n_groups_to_process = groups
-        asyncio.run(env.process_manager())
-        stats = json.loads(out.with_suffix(".stats.json").read_text())
-        files = {out.name: out, "stats.json": out.with_suffix(".stats.json")}
+        files: dict[str, Any] = {}
+        per_part = {}
+        for part in parts:
+            out = Path(tmp, part.filename)
+            per_part[out.stem] = run_part(part, out, group_size=group_size, tokenizer=tokenizer, seed=seed)
+            files[out.name] = out
+        stats = {
+            key: sum(s[key] for s in per_part.values()) for key in ("groups_written", "groups_failed", "rollouts")
+        } | {"infra_failures": sum(s["infra_failures"] for s in per_part.values())}
+        files["stats.json"] = json.dumps({"total": stats, "parts": per_part}, indent=2)
         params = {
-            "env": env_name,
-            "groups": groups,
+            "parts": [p.model_dump(exclude={"api_key_env"}) for p in parts],
             "group_size": group_size,
-            "teacher": teacher,
             "seed": seed,
-            "task_mix": task_mix,
-            "model": model_name,
+            "teacher": sorted({p.teacher for p in parts}),
+            "model": sorted({p.model_name for p in parts if p.model_name}),
         }
         return store.put("rollouts", name, files, parents=parents or [], params=params, metrics=stats)
+
+
+def run_part(part: GenerationPart, out: Path, *, group_size: int, tokenizer: str, seed: int) -> dict[str, Any]:
+    """One part in `process` mode into `out` (JSONL); its stats."""
+    servers = server_configs(part.base_url, part.model_name or "teacher", part.api_key_env) if part.base_url else None
+    env = env_class(part.env)(
+        server_configs=servers,
+        tokenizer_name=tokenizer,
+        teacher=part.teacher,
+        group_size=group_size,
+        total_steps=part.groups,
+        task_mix=part.task_mix,
+        seed=seed,
+        data_path_to_save_groups=str(out),
+        **part.env_config,
+    )
+    env.process_mode = True
+    env.n_groups_to_process = part.groups
+    asyncio.run(env.process_manager())
+    return json.loads(out.with_suffix(".stats.json").read_text())

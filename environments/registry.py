@@ -62,6 +62,24 @@ def env_class(spec: str) -> Any:
     return cls if issubclass(cls, HermesAgentBaseEnv) else adapter_class(cls)
 
 
+def task_categories(spec: str) -> tuple[str, ...] | None:
+    """The task categories of an env with a task family (None: an env without categories)."""
+    categories = getattr(env_class(spec), "categories", None)
+    return tuple(categories) if categories else None
+
+
+def categories_of(cls: type, wanted: list[str] | None) -> list[str] | None:
+    """The categories of `wanted` that the env class `cls` has (None: all; an env without categories: None).
+    A list shared by several envs names each one's own; an env with none of them is an error."""
+    known = getattr(cls, "categories", None)
+    if wanted is None or not known:
+        return None
+    mine = [c for c in known if c in wanted]
+    if not mine:
+        raise ValueError(f"env {cls.__name__} has none of the categories {wanted}; its own: {', '.join(known)}")
+    return mine
+
+
 def _load_module(location: str) -> Any:
     """A module by dotted name, or by file path (imported under a name derived from the path)."""
     if not location.endswith(".py"):

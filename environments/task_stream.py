@@ -1,8 +1,10 @@
 """Deterministic, endless task streams: item `i` of seed `s` is always the same task.
 
 A task family is a function `make_task(rng, category, difficulty) -> dict`; the stream picks the
-slice (category, difficulty) by the config's filters and the task mix from weakness mining, so
-the next round can ask for more of a weak slice.
+slice (category, difficulty) by the config's filters and the task mix from the curriculum, so
+the next round can ask for more of a weak slice. Slices follow their weights exactly, not by
+chance: after any n items each slice has had its share of n, rounded (a weighted round robin),
+so a held-out set with no mix is stratified and a generation budget is split as the mix says.
 """
 
 from __future__ import annotations
@@ -43,11 +45,24 @@ class TaskStream:
         self.weights = [max(0.0, mix.get(f"{c}/{d}", 1.0)) for c, d in self.slices]
         if not any(self.weights):
             raise ValueError(f"task_mix gives every slice of {env} zero weight")
+        self._schedule: list[int] = []  # Slice index of each item drawn so far.
+        self._counts = [0] * len(self.slices)
+
+    def slice_of(self, index: int) -> tuple[str, str]:
+        """(category, difficulty) of item `index`: the slice furthest below its share so far."""
+        total = sum(self.weights)
+        while len(self._schedule) <= index:
+            n = len(self._schedule) + 1
+            deficit = [w / total * n - c for w, c in zip(self.weights, self._counts, strict=True)]
+            chosen = max(range(len(self.slices)), key=lambda s: (self.weights[s] > 0, deficit[s], -s))
+            self._counts[chosen] += 1
+            self._schedule.append(chosen)
+        return self.slices[self._schedule[index]]
 
     def item(self, index: int) -> dict[str, Any]:
         """The task at `index`, with id, env, category, difficulty and seed filled in."""
         rng = random.Random(f"{self.env}:{self.seed}:{index}")
-        category, difficulty = rng.choices(self.slices, weights=self.weights)[0]
+        category, difficulty = self.slice_of(index)
         task = self.make_task(rng, category, difficulty)
         task.update(
             item_id=f"{self.env}-{self.seed}-{index}",

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from data import ArtifactNotFound, ArtifactStore, Manifest
-from environments.registry import TASK_FAMILIES, env_class
+from environments.registry import TASK_FAMILIES, categories_of, env_class
 from environments.sandbox import isolation_report
 from environments.servers import server_configs
 
@@ -34,7 +34,9 @@ class AgenticEvalConfig(BaseModel):
     envs: list[str] = Field(default=list(TASK_FAMILIES), description="Environments to evaluate.")
     eval_size: int = Field(default=8, ge=1, description="Held-out tasks per env (the env's eval seed).")
     difficulty: str | None = Field(default=None, description="Only held-out tasks of this difficulty.")
-    categories: list[str] | None = Field(default=None, description="Only held-out tasks of these categories.")
+    categories: list[str] | None = Field(
+        default=None, description="Only held-out tasks of these categories, in each env that has them."
+    )
     max_agent_turns: int | None = Field(default=None, ge=1, description="Override the envs' turn limits.")
     max_token_length: int = Field(default=256, ge=8, description="Tokens per model reply.")
     base_url: str = Field(description="OpenAI-compatible endpoint serving the model.")
@@ -75,14 +77,13 @@ def held_out_items(env_name: str, eval_size: int, tokenizer: str, **task_slice: 
 
 
 def store_agentic_evalset(store: ArtifactStore, cfg: AgenticEvalConfig) -> Manifest:
-    task_slice = {"difficulty": cfg.difficulty, "categories": cfg.categories}
     files = {
         f"{name}.jsonl": "".join(
-            json.dumps(i) + "\n" for i in held_out_items(name, cfg.eval_size, cfg.tokenizer, **task_slice)
+            json.dumps(i) + "\n" for i in held_out_items(name, cfg.eval_size, cfg.tokenizer, **_slice(cfg, name))
         )
         for name in cfg.envs
     }
-    params = {"envs": cfg.envs, "eval_size": cfg.eval_size, **task_slice}
+    params = {"envs": cfg.envs, "eval_size": cfg.eval_size, "difficulty": cfg.difficulty, "categories": cfg.categories}
     try:
         existing = store.manifest("evalset/agentic")
     except ArtifactNotFound:
@@ -114,8 +115,7 @@ def run_agentic_eval(
                 "data_dir_to_save_evals": out,
                 "max_token_length": cfg.max_token_length,
                 "teacher": cfg.teacher,
-                "difficulty": cfg.difficulty,
-                "categories": cfg.categories,
+                **_slice(cfg, name),
             }
             if cfg.max_agent_turns:
                 overrides["max_agent_turns"] = cfg.max_agent_turns
@@ -189,6 +189,11 @@ def aggregate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     for sample in samples:
         slices[f"{sample['env']}/{sample['category']}/{sample['difficulty']}"].append(sample)
     return {"overall": summary(samples), "per_slice": {k: summary(v) for k, v in sorted(slices.items())}}
+
+
+def _slice(cfg: AgenticEvalConfig, env_name: str) -> dict[str, Any]:
+    """The held-out slice of one env: the difficulty, and those of the categories the env has."""
+    return {"difficulty": cfg.difficulty, "categories": categories_of(env_class(env_name), cfg.categories)}
 
 
 def _env(name: str, **config: Any) -> Any:

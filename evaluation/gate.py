@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from data import ArtifactNotFound, ArtifactStore, Manifest
+from data import ArtifactNotFound, ArtifactStore, Manifest, RefConflict
 
 
 class GateConfig(BaseModel):
@@ -105,6 +105,12 @@ def gate(
         decision = decide(candidate, _merge(store, champion_evals), config)
     candidate_id = store.resolve(candidate_model)
     candidate_eval_ids = [store.resolve(r) for r in candidate_evals]
+    if decision["promote"]:  # Move `champion` first: a lost race must not leave a record of a promotion.
+        try:
+            store.set_ref("champion", candidate_id, expected=champion_model)
+        except RefConflict:
+            moved = store.try_resolve("champion")
+            decision |= {"promote": False, "reason": f"champion moved to {str(moved)[:12]} while this gate ran"}
     decision |= {"candidate": candidate_id, "champion_before": champion_model, "candidate_evals": candidate_eval_ids}
     parents = candidate_eval_ids + champion_evals + [candidate_id]
     manifest = store.put(
@@ -116,7 +122,6 @@ def gate(
         metrics={"promote": decision["promote"]},
     )
     if decision["promote"]:
-        store.set_ref("champion", candidate_id, expected=champion_model)
         store.set_ref("champion-evals", manifest.id)
     return manifest
 

@@ -76,7 +76,9 @@ def build_report(store: ArtifactStore, refs: list[str], name: str = "round") -> 
         for path in (p for p in rollouts.files if p.endswith(".jsonl")):
             for line in store.read_bytes(rollouts.id, path).decode().splitlines():
                 rewards.extend(json.loads(line).get("scores", []))
-    weak = store.read_json(by_kind["weaknesses"][0].id, "weaknesses.json") if "weaknesses" in by_kind else {}
+    mined = by_kind.get("weaknesses", [None])[0]
+    weak = store.read_json(mined.id, "weaknesses.json") if mined else {}
+    curriculum = store.read_json(mined.id, "curriculum.json") if mined and "curriculum.json" in mined.files else {}
     slices = weak.get("slices", [])
     gate = store.read_json(by_kind["gate"][0].id, "decision.json") if "gate" in by_kind else None
     history = _success_history(store)
@@ -89,7 +91,7 @@ def build_report(store: ArtifactStore, refs: list[str], name: str = "round") -> 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         images = _plots(out, history, rewards, slices)
-        summary = _markdown(name, agentic, lm_eval, slices, gate)
+        summary = _markdown(name, agentic, lm_eval, slices, gate) + _curriculum_markdown(curriculum)
         (out / "summary.md").write_text(summary)
         (out / "report.html").write_text(_html(name, summary, images, agentic))
         metrics = {"agentic_samples": len(agentic), "weak_slices": len(weak.get("weak", [])), "rewards": len(rewards)}
@@ -136,6 +138,30 @@ def _markdown(name: str, agentic: list[dict], lm_eval: dict[str, Any], slices: l
     if gate:
         verdict = "PROMOTED" if gate["promote"] else "not promoted"
         lines += ["## Promotion gate", "", f"Candidate {verdict}: {gate['reason']}", ""]
+        if gate.get("guards"):
+            lines += ["| guarded metric | change | n | regressed |", "|---|---|---|---|"]
+            for metric, guard in sorted(gate["guards"].items()):
+                lines.append(f"| {metric} | {guard['delta']:+.3f} | {guard['n']} | {guard['regressed']} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def _curriculum_markdown(curriculum: dict[str, Any]) -> str:
+    """The next round's curriculum: each slice's class, its evidence, and the groups it gets."""
+    if not curriculum:
+        return ""
+    lines = ["## Next round's curriculum", "", "| env | slice | class | wins/n | 95% CI | decided by | groups |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    for env, spec in sorted(curriculum["slices"].items()):
+        for row in spec["slices"]:
+            low, high = row["ci"]
+            lines.append(
+                f"| {env} | {row['slice']} | {row['class']} | {row['wins']}/{row['n']} | {low:.2f}-{high:.2f} "
+                f"| {row['evidence']} | {row.get('groups', 0)} |"
+            )
+    unlocked = [f"{env}: {', '.join(spec['newly_unlocked'])}" for env, spec in curriculum["slices"].items()
+                if spec["newly_unlocked"]]  # fmt: skip
+    lines += ["", f"Unlocked this round: {'; '.join(unlocked) if unlocked else 'nothing'}.", ""]
     return "\n".join(lines)
 
 

@@ -4,40 +4,26 @@ Samples (agentic and lm-eval, flattened to `{source, category, difficulty, succe
 grouped into slices — (source, category, difficulty), (source, category), tool, and error type —
 each with its failure rate and a Wilson 95 % interval on success. A slice is flagged weak when it
 has at least `min_samples` samples and the *upper* bound of its success rate is under
-`threshold`: we are confident it is bad. Flagged env slices up-weight the next round's task mix.
+`threshold`: we are confident it is bad. The curriculum (`evaluation/curriculum.py`) turns the
+env slices into the next round's data: what to generate, by whom, and what GRPO trains on.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 from pydantic import BaseModel, Field
 
 from data import ArtifactStore, Manifest
+from evaluation.curriculum import CurriculumConfig, build_curriculum, plan_generation, rl_mix, wilson
 
 
 class MiningConfig(BaseModel):
     threshold: float = Field(default=0.5, gt=0, le=1, description="Weak: success upper bound below this.")
     min_samples: int = Field(default=5, ge=1, description="Slices with fewer samples are never flagged.")
-    boost: float = Field(default=3.0, ge=0, description="Task-mix weight added per unit of failure rate.")
     exemplars: int = Field(default=3, ge=0, description="Failure examples kept per weak slice.")
-
-
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson score interval for a success rate.
-
-    >>> tuple(round(x, 3) for x in wilson(0, 10))
-    (0.0, 0.278)
-    """
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def flatten(source_kind: str, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -64,7 +50,7 @@ def flatten(source_kind: str, samples: list[dict[str, Any]]) -> list[dict[str, A
 def mine(
     samples: list[dict[str, Any]], config: MiningConfig | None = None, previous: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Ranked slices, the weak ones with exemplars, the next task mix, and per-slice history."""
+    """Ranked slices, the weak ones with exemplars, and per-slice history."""
     config = config or MiningConfig()
     slices: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for s in samples:
@@ -99,27 +85,30 @@ def mine(
     return {
         "slices": rows,
         "weak": [r["slice"] for r in rows if r["weak"]],
-        "task_mix": task_mix(rows, config),
         "history": history,
     }
 
 
-def task_mix(rows: list[dict[str, Any]], config: MiningConfig) -> dict[str, dict[str, float]]:
-    """Per env, sampling weights for 'category/difficulty' slices: 1 + boost x failure rate if weak."""
-    mix: dict[str, dict[str, float]] = defaultdict(dict)
-    for row in rows:
-        source, category, difficulty = row["slice"].split("|")
-        if difficulty == "*" or category.startswith(("error:", "tool_call/", "tool_select/", "reasoning/")):
-            continue
-        weight = 1.0 + (config.boost * row["failure_rate"] if row["weak"] else 0.0)
-        mix[source][f"{category}/{difficulty}"] = round(weight, 4)
-    return dict(mix)
+class CurriculumSpec(BaseModel):
+    """What the curriculum covers: the round's envs (each with its categories), difficulty, budget."""
+
+    families: dict[str, tuple[str, ...]] = Field(description="Env -> its task categories (the round's slices).")
+    difficulty: str | None = Field(default=None, description="A fixed difficulty (None: easy first, then unlock).")
+    groups: int = Field(default=32, ge=1, description="Generation groups to split over the slices.")
+    config: CurriculumConfig = Field(default_factory=CurriculumConfig)
 
 
 def mine_to_store(
-    store: ArtifactStore, eval_refs: list[str], config: MiningConfig | None = None, name: str = "weaknesses"
+    store: ArtifactStore,
+    eval_refs: list[str],
+    config: MiningConfig | None = None,
+    name: str = "weaknesses",
+    curriculum: CurriculumSpec | None = None,
+    previous: str | None = None,
 ) -> Manifest:
-    """Mine every sample of the given eval artifacts; store weaknesses.json and task_mix.json."""
+    """Mine every sample of the given eval artifacts into weaknesses.json; with a `curriculum` spec, also
+    curriculum.json (each slice's class, the generation plan, the GRPO task mix). `previous`: the last
+    round's weaknesses artifact (slice history, unlocked difficulties)."""
     samples = []
     for ref in eval_refs:
         manifest = store.manifest(ref)
@@ -127,17 +116,28 @@ def mine_to_store(
             records = [json.loads(line) for line in store.read_bytes(manifest.id, relpath).decode().splitlines()]
             kind = "agentic" if records and "env" in records[0] else "lm-eval"
             samples.extend(flatten(kind, records))
-    try:
-        previous = store.read_json(f"weaknesses/{name}", "weaknesses.json")
-    except Exception:
-        previous = None
-    result = mine(samples, config, previous)
-    files = {"weaknesses.json": json.dumps(result, indent=2), "task_mix.json": json.dumps(result["task_mix"], indent=2)}
-    parents = [store.resolve(ref) for ref in eval_refs]
-    metrics = {"weak_slices": len(result["weak"]), "samples": len(samples)}
-    return store.put(
-        "weaknesses", name, files, parents=parents, params=(config or MiningConfig()).model_dump(), metrics=metrics
-    )
+    before = store.read_json(previous, "weaknesses.json") if previous else None
+    result = mine(samples, config, before)
+    files = {"weaknesses.json": json.dumps(result, indent=2)}
+    metrics: dict[str, Any] = {"weak_slices": len(result["weak"]), "samples": len(samples)}
+    if curriculum is not None:
+        last = store.read_json(previous, "curriculum.json")["slices"] if previous and _has(store, previous) else None
+        spec = curriculum
+        slices = build_curriculum(samples, spec.families, spec.config, last, spec.difficulty)
+        plan = {"slices": slices, "generate": plan_generation(slices, spec.groups, spec.config)}
+        plan["rl"] = rl_mix(slices, spec.config)
+        files["curriculum.json"] = json.dumps(plan, indent=2)
+        classes = Counter(row["class"] for env in slices.values() for row in env["slices"])
+        metrics |= {f"slices_{cls}": classes.get(cls, 0) for cls in ("unsolved", "learnable", "mastered", "locked")}
+    parents = [store.resolve(ref) for ref in eval_refs] + ([store.resolve(previous)] if previous else [])
+    params = {"mining": (config or MiningConfig()).model_dump()}
+    if curriculum is not None:
+        params["curriculum"] = curriculum.model_dump()
+    return store.put("weaknesses", name, files, parents=parents, params=params, metrics=metrics)
+
+
+def _has(store: ArtifactStore, ref: str) -> bool:
+    return "curriculum.json" in store.manifest(ref).files
 
 
 def _error_type(error: str) -> str:

@@ -25,7 +25,6 @@ from flows.stages import STAGES
 from flows.work import StageParams
 
 Dispatch = Literal["local", "deployments"]
-DEPLOYMENT_NAME = "stage"  # Stage `sft` is deployment `sft/stage`.
 _PACKAGES = ("data", "environments", "evaluation", "flows", "inference", "training")
 
 
@@ -79,9 +78,9 @@ def run_stage(stage: str, params: StageParams, dispatch: Dispatch = "local") -> 
         # The parent run's heartbeat already covers an in-process subflow; a subflow's own heartbeat
         # thread is joined at its end, which costs up to 2 s per stage (Prefect 3.9 sleeps in 1 s steps).
         with tags(*run_tags), temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            return STAGES[stage](params)
+            return STAGES[stage].flow(params)
     flow_run = run_deployment(
-        f"{stage}/{DEPLOYMENT_NAME}",
+        STAGES[stage].deployment,
         parameters={"params": params.model_dump(mode="json")},
         tags=run_tags,
         timeout=None,  # Wait as long as the stage runs; its own deployment sets any time limit.

@@ -1,12 +1,16 @@
 """The flows users run: `flywheel` (N rounds of every stage) and `eval` (evaluate one model).
 
-A round: generate (task mix from the last mining) -> curate -> SFT -> RL -> evaluate -> gate ->
-mine -> report. Every stage goes through `run_stage`, so `dispatch="deployments"` sends it to its
-work pool and a re-run skips what already finished.
+A round: generate (as the last mining's curriculum says) -> curate -> SFT -> RL (GRPO on the
+curriculum's learnable slices) -> evaluate + lm_eval -> gate -> mine (the champion's weaknesses ->
+the next curriculum) -> report. Round 0 judges and mines the starting model. Every stage goes
+through `run_stage`, so `dispatch="deployments"` sends it to its work pool and a re-run skips
+what already finished.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -17,9 +21,11 @@ from evaluation.lm_eval_runner import model_ref_of
 from flows import work
 from flows.dispatch import Dispatch, result_storage, run_stage
 from flows.profiles import PROFILES, ProfileName, RoundProfile
-from flows.stages import evaluate
+from flows.stages import STAGES, evaluate, lm_eval
 from training.config import ConfigError
 from training.models import base_model
+
+logger = logging.getLogger(__name__)
 
 
 @flow(name="flywheel", flow_run_name="flywheel-{profile}")
@@ -35,7 +41,7 @@ def flywheel(
 
     Rounds continue after the last one with a report in the store (`first_round` overrides). A
     round's inputs come from the artifacts of the round before it (its gate decision and mined
-    task mix), so running a round again, after a crash or on purpose, meets the same cache keys
+    curriculum), so running a round again, after a crash or on purpose, meets the same cache keys
     and skips every stage that already finished. `sizes` replaces the named profile's sizes.
     """
     log = get_run_logger()
@@ -44,33 +50,55 @@ def flywheel(
     cached_stage = run_stage.with_options(result_storage=result_storage(store))
     common = {"store_url": store.root_url, "profile": p}  # Absolute: cache keys must not depend on the cwd.
 
-    def stage(stage_name: str, params: type[work.StageParams], /, **fields: Any) -> str:
-        return cached_stage(stage_name, params(**common, **fields), dispatch)
+    def stage(name: str, /, **fields: Any) -> str:
+        return cached_stage(name, STAGES[name].params(**common, **fields), dispatch)
 
     first = first_round or completed_rounds(store) + 1
     report_id = ""
     for n in range(first, first + rounds):
-        if n == 1 and store.try_resolve("gate/gate-r0") is None:  # Judge the starting model, so the gate has a bar.
-            start = store.try_resolve("champion", f"model/{p.model}") or base_model(p.model, store).id
-            base_eval = stage("evaluate", work.EvaluateParams, round_no=0, model=start, name="agentic-base")
-            stage("gate", work.GateParams, round_no=0, evals=[base_eval], candidate=start)
-        base, mix = round_inputs(store, n, p)
-        rollouts = stage("generate", work.GenerateParams, round_no=n, tokenizer_model=base, task_mix=mix)
-        dataset = stage("curate", work.CurateParams, round_no=n, rollouts=rollouts)
-        sft_ckpt = stage("sft", work.SFTParams, round_no=n, base=base, dataset=dataset)
-        rl_ckpt = stage("rl", work.RLParams, round_no=n, policy=sft_ckpt)
-        evals = [stage("evaluate", work.EvaluateParams, round_no=n, model=rl_ckpt, name=f"agentic-r{n}")]
-        champion, rejudged = store.try_resolve("champion"), None
-        if champion and not shares_items(store, evals, recorded_evals(store, champion)):
-            log.info("round %d: the champion's evals share no item with the candidate's: judging it again", n)
-            name = f"agentic-champion-r{n}"
-            rejudged = [stage("evaluate", work.EvaluateParams, round_no=n, model=champion, name=name)]
-        decision = stage("gate", work.GateParams, round_no=n, evals=evals, candidate=rl_ckpt, champion_evals=rejudged)
-        weaknesses = stage("mine", work.MineParams, round_no=n, evals=evals)
-        report_id = stage("report", work.ReportParams, round_no=n, refs=[*evals, weaknesses, decision])
-        result = store.read_json(decision, "decision.json")
-        log.info("round %d: candidate %s (%s)", n, "promoted" if result["promote"] else "kept out", result["reason"])
+        report_id, decision = run_round(store, n, p, stage)
+        verdict = "promoted" if decision["promote"] else "kept out"
+        log.info("round %d: candidate %s (%s)", n, verdict, decision["reason"])
     return report_id
+
+
+StageCall = Callable[..., str]
+"""`stage(name, /, **fields) -> artifact id`: runs stage `name` with its params built from `fields`."""
+
+
+def run_round(store: ArtifactStore, n: int, p: RoundProfile, stage: StageCall) -> tuple[str, dict[str, Any]]:
+    """Round n's stages in order (round 0's first: judge and mine the starting model); the report's id
+    and the gate's decision. The one round body: the flow passes cached Prefect stages, the overhead
+    benchmark the plain library calls."""
+
+    def judge(round_no: int, model: str, tag: str) -> list[str]:
+        """The agentic held-out evaluation and the lm-eval benchmarks of `model`."""
+        agentic = stage("evaluate", round_no=round_no, model=model, name=f"agentic-{tag}")
+        return [agentic, stage("lm_eval", round_no=round_no, model=model, name=f"lm-eval-{tag}")]
+
+    if n == 1 and store.try_resolve("gate/gate-r0") is None:  # Judge the starting model, so the gate has a bar.
+        start = store.try_resolve("champion", f"model/{p.model}") or base_model(p.model, store).id
+        stage("gate", round_no=0, evals=judge(0, start, "base"), candidate=start)
+    if n == 1 and store.try_resolve("weaknesses/weaknesses-r0") is None:  # Round 1's curriculum.
+        stage("mine", round_no=0, evals=store.read_json("gate/gate-r0", "decision.json")["candidate_evals"])
+    base, curriculum, previous = round_inputs(store, n, p)
+    plan, rl_mix = (curriculum or {}).get("generate"), (curriculum or {}).get("rl")
+    rollouts = stage("generate", round_no=n, tokenizer_model=base, plan=plan)
+    dataset = stage("curate", round_no=n, rollouts=rollouts)
+    sft_ckpt = stage("sft", round_no=n, base=base, dataset=dataset)
+    rl_ckpt = stage("rl", round_no=n, policy=sft_ckpt, task_mix=rl_mix)
+    evals = judge(n, rl_ckpt, f"r{n}")
+    champion, rejudged = store.try_resolve("champion"), None
+    if champion and not shares_items(store, evals, recorded_evals(store, champion)):
+        logger.info("round %d: the champion's evals share no item with the candidate's: judging it again", n)
+        rejudged = judge(n, champion, f"champion-r{n}")
+    decision_id = stage("gate", round_no=n, evals=evals, candidate=rl_ckpt, champion_evals=rejudged)
+    decision = store.read_json(decision_id, "decision.json")
+    # The next curriculum follows the model the next round starts from.
+    kept = rejudged or (recorded_evals(store, champion) if champion else [])
+    mined = evals if decision["promote"] or not kept else kept
+    weaknesses = stage("mine", round_no=n, evals=mined, previous=previous)
+    return stage("report", round_no=n, refs=[*evals, weaknesses, decision_id]), decision
 
 
 def completed_rounds(store: ArtifactStore) -> int:
@@ -81,17 +109,17 @@ def completed_rounds(store: ArtifactStore) -> int:
     return n
 
 
-def round_inputs(store: ArtifactStore, n: int, p: RoundProfile) -> tuple[str, dict[str, float] | None]:
-    """Round n's base model (the champion after round n-1) and task mix (mined in round n-1)."""
+def round_inputs(store: ArtifactStore, n: int, p: RoundProfile) -> tuple[str, dict[str, Any] | None, str | None]:
+    """Round n's base model (the champion after round n-1), its curriculum (mined in round n-1; None
+    when the profile's is uniform) and the id of the weaknesses artifact it came from."""
     if n == 1:
-        gate_id, mix = store.resolve("gate/gate-r0"), None
+        gate_id, weaknesses = store.resolve("gate/gate-r0"), store.try_resolve("weaknesses/weaknesses-r0")
     else:
         report = store.try_resolve(f"report/round-{n - 1}")
         if report is None:
             raise ConfigError(f"cannot start round {n}: {store.url} has no report of round {n - 1}")
         parents = {store.manifest(parent).kind: parent for parent in store.manifest(report).parents}
-        gate_id = parents["gate"]
-        mix = store.read_json(parents["weaknesses"], "task_mix.json").get(p.env)
+        gate_id, weaknesses = parents["gate"], parents.get("weaknesses")
     decision = store.read_json(gate_id, "decision.json")
     base = decision["candidate"] if decision["promote"] else decision["champion_before"]
     models = {m.id for m in lineage(store, base).walk() if m.kind == "model"}
@@ -100,7 +128,10 @@ def round_inputs(store: ArtifactStore, n: int, p: RoundProfile) -> tuple[str, di
             f"the champion in {store.url} does not descend from model/{p.model}: "
             "use a separate --store for each base model"
         )
-    return base, mix
+    curriculum = None
+    if weaknesses and p.curriculum == "mined" and "curriculum.json" in store.manifest(weaknesses).files:
+        curriculum = store.read_json(weaknesses, "curriculum.json")
+    return base, curriculum, weaknesses
 
 
 @flow(name="eval", flow_run_name="eval-{model}")
@@ -109,9 +140,14 @@ def eval_only(
     store_url: str | None = None,
     profile: ProfileName = "default",
     sizes: RoundProfile | None = None,
-) -> str:
-    """Agentic evaluation of one model (a store ref such as `champion`, a built-in name or a local dir)."""
+) -> list[str]:
+    """Agentic evaluation and lm-eval benchmarks of one model (a store ref such as `champion`, a built-in
+    name or a local dir); returns both eval artifact ids."""
     p = sizes or PROFILES[profile]
     store = ArtifactStore(store_url)
     ref = model_ref_of(store, model) or model
-    return evaluate(work.EvaluateParams(store_url=store_url, round_no=0, profile=p, model=ref, name=f"eval-{model}"))
+    params = {"store_url": store_url, "round_no": 0, "profile": p, "model": ref}
+    return [
+        evaluate(work.EvaluateParams(**params, name=f"eval-{model}")),
+        lm_eval(work.LMEvalParams(**params, name=f"lm-eval-{model}")),
+    ]

@@ -11,7 +11,7 @@ from typing import Any
 
 from flows import work
 from flows.profiles import PROFILES, RoundProfile
-from flows.stages import GPU_STAGES, STAGES, stage_pool
+from flows.stages import STAGES
 from inference import build_command
 from training.config import ConfigError
 from training.device import DeviceSettings, resolve_device
@@ -34,8 +34,8 @@ def round_plan(profile: str, device: str | None = None) -> dict[str, Any]:
     rl = work.rl_config(work.RLParams(**common, policy="<round-1 SFT checkpoint>"))
     server = work.server_config(p, f"<model/{p.model}>", planned=True)
     stages: dict[str, dict[str, Any]] = {name: _placement(name, p, settings) for name in STAGES}
-    stages["generate"] |= {"teacher": p.teacher, "envs": [p.env], "groups": p.groups}
-    if p.teacher == "policy":
+    stages["generate"] |= {"teacher": p.teacher, "envs": p.envs, "groups": p.groups, "curriculum": p.curriculum}
+    if p.teacher == "policy" or p.curriculum == "mined":  # Learnable slices: the round's model, served.
         stages["generate"] |= _served(server, settings)
     for name, cfg, kwargs, trainer in (
         ("sft", sft, sft_kwargs(sft, RUN_DIR), "trl.SFTTrainer"),
@@ -51,13 +51,15 @@ def round_plan(profile: str, device: str | None = None) -> dict[str, Any]:
         }
     stages["rl"]["generation"] = f"vllm {rl.vllm_mode}" if rl.vllm() else "in-process (transformers generate)"
     stages["evaluate"] |= _served(server, settings) | {"eval_size": p.eval_size, "max_turns": p.max_turns}
+    lm_eval = work.lm_eval_config(work.LMEvalParams(**common, model=f"model/{p.model}", name="lm-eval-r1"))
+    stages["lm_eval"] |= {"config": lm_eval.model_dump(mode="json")}
     return {"profile": profile, "device": p.device, "model": p.model, "gpus": p.gpus, "stages": stages}
 
 
 def _placement(name: str, p: RoundProfile, settings: DeviceSettings) -> dict[str, Any]:
     """Where a stage runs: its work pool, device and GPUs (CPU stages run on CPU on any profile)."""
-    gpu = name in GPU_STAGES
-    return {"pool": stage_pool(name), "device": settings.device if gpu else "cpu", "gpus": p.gpus if gpu else 0}
+    gpu = STAGES[name].gpu
+    return {"pool": STAGES[name].pool, "device": settings.device if gpu else "cpu", "gpus": p.gpus if gpu else 0}
 
 
 def _served(server: Any, settings: DeviceSettings) -> dict[str, Any]:

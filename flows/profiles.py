@@ -6,6 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from environments.registry import TASK_FAMILIES, categories_of, env_class, task_categories
+from evaluation.curriculum import CurriculumConfig
+from evaluation.suite import SUITE_TASKS
 from training.device import DeviceChoice
 
 ProfileName = Literal["default", "quick", "tiny", "h100"]
@@ -15,17 +18,37 @@ class RoundProfile(BaseModel):
     """Sizes of one round; `default`, `quick` and `tiny` are the shipped presets."""
 
     model: str = Field(default="smollm2", description="Base model when there is no champion yet.")
-    env: str = Field(default="tool_use_chain", description="Environment of this round.")
-    groups: int = Field(default=24, ge=1, description="Teacher groups to generate.")
+    envs: list[str] = Field(
+        default=list(TASK_FAMILIES), min_length=1, description="Environments of the round: generation, GRPO, held-out."
+    )
+    groups: int = Field(default=24, ge=1, description="Groups to generate, split over the curriculum's slices.")
     sft_steps: int = Field(default=8, ge=1, description="SFT steps.")
     sft_lr: float = Field(default=2e-4, gt=0, description="SFT learning rate.")
     sft_max_length: int = Field(default=1280, ge=64, description="SFT tokens per conversation (whole trajectories).")
     rl_steps: int = Field(default=2, ge=1, description="GRPO steps.")
     rl_max_completion: int = Field(default=128, ge=16, description="GRPO tokens per rollout, tool output included.")
-    eval_size: int = Field(default=8, ge=1, description="Held-out agentic tasks.")
+    eval_size: int = Field(default=8, ge=1, description="Held-out agentic tasks per env (stratified over slices).")
     max_tokens: int = Field(default=192, ge=8, description="Tokens per model reply, in GRPO and evaluation alike.")
-    difficulty: str | None = Field(default="easy", description="Task difficulty of this round (training and held-out).")
-    categories: list[str] | None = Field(default=None, description="Task categories of this round (None: all).")
+    difficulty: str | None = Field(
+        default=None,
+        description="One task difficulty for the whole round (None: all held out; the curriculum "
+        "trains easy first and unlocks the next difficulty of a category once its easier one is mastered).",
+    )
+    categories: list[str] | None = Field(
+        default=None, description="Only these task categories, in each env that has them (None: all)."
+    )
+    curriculum: Literal["mined", "uniform"] = Field(
+        default="mined",
+        description="mined: slices classed from the champion's held-out results; uniform: "
+        "every unlocked slice alike, all by the teacher (the ablation's baseline).",
+    )
+    curriculum_config: CurriculumConfig = Field(default_factory=CurriculumConfig, description="Curriculum thresholds.")
+    lm_eval_tasks: list[str] = Field(
+        default=list(SUITE_TASKS), description="lm-eval tasks of every round (shipped suite, bundled or include_path)."
+    )
+    lm_eval_include_path: str | None = Field(default=None, description="A folder of lm-eval task YAML.")
+    lm_eval_size: int = Field(default=30, ge=1, description="Items per shipped lm-eval suite task.")
+    lm_eval_limit: int | None = Field(default=None, ge=1, description="Docs per lm-eval task (None: all).")
     device: DeviceChoice = Field(
         default="auto", description="Where GPU stages run: auto (CUDA when visible), cpu, cuda."
     )
@@ -67,13 +90,30 @@ class RoundProfile(BaseModel):
             raise ValueError("teacher=endpoint needs teacher_url and teacher_model")
         return self
 
+    @model_validator(mode="after")
+    def _every_env_has_a_category(self) -> RoundProfile:
+        for env in self.envs:
+            self.env_categories(env)
+        return self
+
+    def env_categories(self, env: str) -> list[str] | None:
+        """The categories of `env` this round covers (None: all of them, or an env without categories)."""
+        return categories_of(env_class(env), self.categories)
+
+    def families(self) -> dict[str, tuple[str, ...]]:
+        """Env -> the categories the curriculum covers (envs without task categories are left out)."""
+        out = {}
+        for env in self.envs:
+            known = task_categories(env)
+            if known is not None:
+                out[env] = tuple(self.env_categories(env) or known)
+        return out
+
 
 PROFILES: dict[str, RoundProfile] = {
     # SmolLM2-135M on CPU: the slice a 135M model can learn in one round (look a product up, copy
     # its id and price) rather than arithmetic or 6+ tool calls, which it fails before and after.
     "default": RoundProfile(
-        env="web_navigation",
-        categories=["lookup_price"],
         groups=32,
         sft_steps=6,
         rl_screen=8,  # After SFT, GRPO trains on the tasks the policy solves only sometimes.
@@ -81,9 +121,21 @@ PROFILES: dict[str, RoundProfile] = {
         eval_size=10,
         max_tokens=128,
     ),
-    "quick": RoundProfile(model="tiny", groups=8, sft_steps=4, sft_lr=1e-3, rl_steps=1, eval_size=3, max_tokens=48),
+    "quick": RoundProfile(
+        model="tiny", groups=8, sft_steps=4, sft_lr=1e-3, rl_steps=1, eval_size=3, max_tokens=48, lm_eval_size=6
+    ),
     # The smallest round that still runs every stage for real: tests and the overhead benchmark.
-    "tiny": RoundProfile(model="tiny", groups=4, sft_steps=2, sft_lr=1e-3, rl_steps=1, eval_size=2, max_tokens=16),
+    "tiny": RoundProfile(
+        model="tiny",
+        envs=["tool_use_chain"],
+        groups=4,
+        sft_steps=2,
+        sft_lr=1e-3,
+        rl_steps=1,
+        eval_size=2,
+        max_tokens=16,
+        lm_eval_size=3,
+    ),
     # One 8xH100 node: a 0.5-8B model by HF id (from the local HF cache) or a local directory.
     "h100": RoundProfile(
         model="Qwen/Qwen2.5-1.5B-Instruct",

@@ -2,14 +2,19 @@
 
 A stage flow is its library calls (`flows/work.py`) plus what the UI shows: tables, markdown,
 links, progress. Stages take one Pydantic parameter (a form in the UI), pass artifact ids, never
-data, and return the id of the artifact they made. GPU stages (`GPU_STAGES`) hold
-`profile.gpus` slots of the global concurrency limit `gpu` while they run.
+data, and return the id of the artifact they made. GPU stages hold `profile.gpus` slots of the
+global concurrency limit `gpu` while they run.
+
+`STAGES` is the one record of a stage - name, params, flow, pool - that the round, the cache
+(task run `<name>-r<round>`), deployment `<name>/stage` and both deployment files (checked by a
+test) derive from.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -25,19 +30,15 @@ from flows.work import (
     EvaluateParams,
     GateParams,
     GenerateParams,
+    LMEvalParams,
     MineParams,
     ReportParams,
     RLParams,
     SFTParams,
+    StageParams,
 )
 
-GPU_STAGES = frozenset({"sft", "rl", "evaluate"})
 POOLS = {"gpu": "h100", "cpu": "cpu"}  # The work pools of prefect.yaml and `flywheel infra setup`.
-
-
-def stage_pool(name: str) -> str:
-    """The work pool a stage's deployment runs on."""
-    return POOLS["gpu" if name in GPU_STAGES else "cpu"]
 
 
 def stage_flow(name: str) -> Callable[[Callable[..., str]], Any]:
@@ -101,6 +102,15 @@ def evaluate(params: EvaluateParams) -> str:
     return manifest.id
 
 
+@stage_flow("lm_eval")
+def lm_eval(params: LMEvalParams) -> str:
+    """lm-evaluation-harness on the model: the profile's tasks (the shipped suite by default)."""
+    with gpu_slots(params.profile):
+        manifest = work.lm_eval(params)
+    metrics_table(manifest, "lm-eval-results", f"lm-eval {params.name} of {params.model[:12]}")
+    return manifest.id
+
+
 @stage_flow("gate")
 def promote(params: GateParams) -> str:
     """Promote the candidate to `champion` only when it wins (paired bootstrap + guards)."""
@@ -118,12 +128,19 @@ def promote(params: GateParams) -> str:
 
 @stage_flow("mine")
 def mine(params: MineParams) -> str:
-    """Failure slices with confidence intervals -> next round's task mix."""
+    """Failure slices with confidence intervals -> the next round's curriculum (both shown in the UI)."""
     manifest = work.mine(params)
-    slices = params.store().read_json(manifest.id, "weaknesses.json")["slices"]
+    store = params.store()
+    slices = store.read_json(manifest.id, "weaknesses.json")["slices"]
     columns = ("slice", "n", "success_rate", "success_ci95", "weak")
     table = [{c: row[c] for c in columns} for row in slices[:20]]
     create_table_artifact(key="weak-slices", table=table, description=f"Weakest slices, round {params.round_no}")
+    if "curriculum.json" in manifest.files:
+        curriculum = store.read_json(manifest.id, "curriculum.json")["slices"]
+        rows = [{"env": env} | row for env, spec in curriculum.items() for row in spec["slices"]]
+        create_table_artifact(
+            key="curriculum", table=rows, description=f"Curriculum for round {params.round_no + 1}: class per slice"
+        )
     return manifest.id
 
 
@@ -137,13 +154,38 @@ def report(params: ReportParams) -> str:
     return manifest.id
 
 
-STAGES: dict[str, Callable[..., str]] = {
-    "generate": generate,
-    "curate": curate,
-    "sft": sft,
-    "rl": rl,
-    "evaluate": evaluate,
-    "gate": promote,
-    "mine": mine,
-    "report": report,
+@dataclass(frozen=True)
+class Stage:
+    """One stage: its name, its parameters, its flow and whether it runs on the GPU pool."""
+
+    name: str
+    params: type[StageParams]
+    flow: Any
+    work: Callable[..., Manifest]  # The library calls alone: the plain-script baseline of the overhead benchmark.
+    gpu: bool = False
+
+    @property
+    def pool(self) -> str:
+        """The work pool its deployment runs on."""
+        return POOLS["gpu" if self.gpu else "cpu"]
+
+    @property
+    def deployment(self) -> str:
+        """Its deployment's name, as `run_deployment` takes it."""
+        return f"{self.flow.name}/stage"
+
+
+STAGES: dict[str, Stage] = {
+    stage.name: stage
+    for stage in (
+        Stage("generate", GenerateParams, generate, work.generate),
+        Stage("curate", CurateParams, curate, work.curate),
+        Stage("sft", SFTParams, sft, work.sft, gpu=True),
+        Stage("rl", RLParams, rl, work.rl, gpu=True),
+        Stage("evaluate", EvaluateParams, evaluate, work.evaluate, gpu=True),
+        Stage("lm_eval", LMEvalParams, lm_eval, work.lm_eval, gpu=True),
+        Stage("gate", GateParams, promote, work.promote),
+        Stage("mine", MineParams, mine, work.mine),
+        Stage("report", ReportParams, report, work.report),
+    )
 }

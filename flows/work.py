@@ -10,12 +10,13 @@ from pydantic import BaseModel, Field
 
 from data import ArtifactStore, Manifest
 from data.curation import curate_to_store
-from environments.generate import generate_rollouts
+from environments.generate import GenerationPart, generate_rollouts
 from evaluation.agentic import AgenticEvalConfig, Progress, run_agentic_eval
+from evaluation.curriculum import largest_remainder
 from evaluation.gate import gate
-from evaluation.lm_eval_runner import model_ref_of
+from evaluation.lm_eval_runner import LMEvalConfig, model_ref_of, run_lm_eval
 from evaluation.report import build_report
-from evaluation.weakness import mine_to_store
+from evaluation.weakness import CurriculumSpec, mine_to_store
 from flows.profiles import RoundProfile
 from inference import ModelServer, ServerConfig
 from training.config import TrainConfig
@@ -39,8 +40,10 @@ class StageParams(BaseModel):
 
 
 class GenerateParams(StageParams):
-    tokenizer_model: str = Field(description="Model ref whose tokenizer scores the rollouts.")
-    task_mix: dict[str, float] | None = Field(default=None, description="Category weights from the last mining.")
+    tokenizer_model: str = Field(description="Model ref whose tokenizer scores the rollouts (and that acts as policy).")
+    plan: dict[str, dict[str, Any]] | None = Field(
+        default=None, description="The curriculum's generation plan: env -> teacher/policy -> groups and slice mix."
+    )
 
 
 class CurateParams(StageParams):
@@ -54,11 +57,18 @@ class SFTParams(StageParams):
 
 class RLParams(StageParams):
     policy: str = Field(description="Checkpoint artifact id to start GRPO from.")
+    task_mix: dict[str, dict[str, float]] | None = Field(
+        default=None, description="The curriculum's GRPO task weights: env -> 'category/difficulty' -> p(1-p)."
+    )
 
 
 class EvaluateParams(StageParams):
     model: str = Field(description="Model or checkpoint ref to evaluate.")
     name: str = Field(description="Name of the eval artifact.")
+
+
+class LMEvalParams(EvaluateParams):
+    """The same fields as an agentic evaluation: one model, one eval artifact name."""
 
 
 class GateParams(StageParams):
@@ -70,7 +80,8 @@ class GateParams(StageParams):
 
 
 class MineParams(StageParams):
-    evals: list[str] = Field(description="Eval artifact ids to mine.")
+    evals: list[str] = Field(description="Eval artifact ids of the champion (after this round's gate) to mine.")
+    previous: str | None = Field(default=None, description="The last round's weaknesses artifact id.")
 
 
 class ReportParams(StageParams):
@@ -78,31 +89,58 @@ class ReportParams(StageParams):
 
 
 def generate(params: GenerateParams) -> Manifest:
-    """Rollouts in `process` mode by the profile's teacher, steered by the last round's task mix."""
+    """Rollouts in `process` mode as the curriculum's plan says: the teacher on unsolved (and replayed
+    mastered) slices, the round's base model, served, on learnable ones; no plan: the teacher on all."""
     p, store = params.profile, params.store()
     model_dir = resolve_model(params.tokenizer_model, store)
+    plan = params.plan or uniform_plan(p)
     with contextlib.ExitStack() as stack:
-        endpoint: dict[str, Any] = {}
-        if p.teacher == "endpoint":
-            endpoint = {"base_url": p.teacher_url, "model_name": p.teacher_model, "api_key_env": p.teacher_api_key_env}
-        elif p.teacher == "policy":  # The round's own model: the turns and reply caps it is judged with.
-            server = stack.enter_context(ModelServer(server_config(p, str(model_dir))))
-            endpoint = {"base_url": server.base_url, "model_name": server.model_name}
-            endpoint |= {"max_token_length": p.max_tokens, "max_agent_turns": p.max_turns}
+        served: dict[str, Any] = {}
+
+        def actor(source: str) -> dict[str, Any]:
+            """How a part's actor is reached: the oracle, the endpoint teacher, or the served base model."""
+            who = p.teacher if source == "teacher" else "policy"
+            if who == "oracle":
+                return {"teacher": "oracle"}
+            if who == "endpoint":
+                return {"teacher": "server", "base_url": p.teacher_url, "model_name": p.teacher_model,
+                        "api_key_env": p.teacher_api_key_env}  # fmt: skip
+            if not served:  # The round's own model: the turns and reply caps it is judged with.
+                server = stack.enter_context(ModelServer(server_config(p, str(model_dir))))
+                served.update(teacher="server", base_url=server.base_url, model_name=server.model_name)
+            return served
+
+        parts = []
+        for env, sources in sorted(plan.items()):
+            for source, part in sorted(sources.items()):
+                if part["groups"]:
+                    parts.append(
+                        GenerationPart(
+                            env=env, groups=part["groups"], task_mix=part.get("mix"), label=source,
+                            env_config=_env_slice(p, env) | _turn_caps(p, source), **actor(source),
+                        )
+                    )  # fmt: skip
         return generate_rollouts(
-            store,
-            p.env,
-            groups=p.groups,
-            group_size=2,
-            tokenizer=str(model_dir),
-            teacher="oracle" if p.teacher == "oracle" else "server",
-            task_mix=params.task_mix,
-            seed=params.round_no,
-            name=f"{p.env}-r{params.round_no}",
-            difficulty=p.difficulty,
-            categories=p.categories,
-            **endpoint,
+            store, parts, group_size=2, tokenizer=str(model_dir), seed=params.round_no, name=f"round{params.round_no}"
         )
+
+
+def uniform_plan(p: RoundProfile) -> dict[str, dict[str, Any]]:
+    """No curriculum: the teacher on every slice of every env, the groups split evenly over the envs."""
+    shares = largest_remainder([1.0] * len(p.envs), p.groups)
+    return {env: {"teacher": {"groups": n, "mix": None}} for env, n in zip(p.envs, shares, strict=True) if n}
+
+
+def _env_slice(p: RoundProfile, env: str) -> dict[str, Any]:
+    """The round's task slice of `env`: its difficulty and categories."""
+    return {"difficulty": p.difficulty, "categories": p.env_categories(env)}
+
+
+def _turn_caps(p: RoundProfile, source: str) -> dict[str, Any]:
+    """A served model generates with the turns and reply caps it is judged with (the oracle needs none)."""
+    if source == "teacher" and p.teacher == "oracle":
+        return {}
+    return {"max_token_length": p.max_tokens, "max_agent_turns": p.max_turns}
 
 
 def curate(params: CurateParams) -> Manifest:
@@ -130,9 +168,10 @@ def rl_config(params: RLParams) -> GRPORunConfig:
     p = params.profile
     return GRPORunConfig(
         policy_model=params.policy,
-        envs=[p.env],
+        envs=p.envs,
         difficulty=p.difficulty,
         categories=p.categories,
+        task_mix=params.task_mix,
         screen_tasks=p.rl_screen if p.gpus <= 1 else 0,  # Screening runs in one process.
         total_steps=p.rl_steps,
         batch_size=p.rl_batch_size,
@@ -185,7 +224,7 @@ def evaluate(params: EvaluateParams, progress: Progress | None = None) -> Manife
     model_dir = resolve_model(params.model, store)
     with ModelServer(server_config(p, str(model_dir))) as server:
         cfg = AgenticEvalConfig(
-            envs=[p.env],
+            envs=p.envs,
             eval_size=p.eval_size,
             difficulty=p.difficulty,
             categories=p.categories,
@@ -200,6 +239,28 @@ def evaluate(params: EvaluateParams, progress: Progress | None = None) -> Manife
         return run_agentic_eval(cfg, store, model_ref_of(store, params.model), progress=progress)
 
 
+def lm_eval(params: LMEvalParams) -> Manifest:
+    """The profile's lm-eval tasks on the model: `hf` in this process on CPU, `vllm` on CUDA."""
+    store = params.store()
+    model_dir = resolve_model(params.model, store)
+    return run_lm_eval(lm_eval_config(params), store, model_dir, model_ref_of(store, params.model))
+
+
+def lm_eval_config(params: LMEvalParams) -> LMEvalConfig:
+    """The lm-eval stage's config (pure: `flywheel plan` shows it)."""
+    p = params.profile
+    cuda = DeviceSettings.for_device(p.device).server_backend == "vllm"
+    return LMEvalConfig(
+        backend="vllm" if cuda else "hf",
+        tasks=p.lm_eval_tasks,
+        include_path=p.lm_eval_include_path,
+        suite_size=p.lm_eval_size,
+        limit=p.lm_eval_limit,
+        tensor_parallel_size=max(1, p.gpus) if cuda else 1,
+        name=params.name,
+    )
+
+
 def promote(params: GateParams) -> Manifest:
     """Promote the candidate to `champion` only when it wins (paired bootstrap + guards)."""
     store, name = params.store(), f"gate-r{params.round_no}"
@@ -207,8 +268,14 @@ def promote(params: GateParams) -> Manifest:
 
 
 def mine(params: MineParams) -> Manifest:
-    """Failure slices with confidence intervals -> next round's task mix."""
-    return mine_to_store(params.store(), params.evals, name="weaknesses")
+    """Failure slices with confidence intervals -> the next round's curriculum."""
+    p = params.profile
+    spec = None
+    if p.curriculum == "mined" and p.families():
+        config = p.curriculum_config
+        spec = CurriculumSpec(families=p.families(), difficulty=p.difficulty, groups=p.groups, config=config)
+    name = f"weaknesses-r{params.round_no}"
+    return mine_to_store(params.store(), params.evals, name=name, curriculum=spec, previous=params.previous)
 
 
 def report(params: ReportParams) -> Manifest:

@@ -116,7 +116,12 @@ class RunnerConfig(TrainConfig):
     num_rollouts_per_task: int = Field(default=4, ge=2, description="Completions per prompt (the group).")
     num_tasks: int = Field(default=64, ge=1, description="Distinct tasks in the training set.")
     difficulty: str | None = Field(default=None, description="Only tasks of this difficulty.")
-    categories: list[str] | None = Field(default=None, description="Only tasks of these categories.")
+    categories: list[str] | None = Field(
+        default=None, description="Only tasks of these categories, in each env that has them."
+    )
+    task_mix: dict[str, dict[str, float]] | None = Field(
+        default=None, description="Env -> 'category/difficulty' -> task weight (a round's curriculum)."
+    )
     max_completion_length: int = Field(default=256, ge=8, description="Tokens per completion, tool output included.")
     max_tool_calls: int = Field(default=8, ge=0, description="Tool-calling turns per rollout (env turns: this + 1).")
     max_turn_tokens: int | None = Field(

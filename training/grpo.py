@@ -26,7 +26,7 @@ from transformers import TrainerCallback
 
 from data import ArtifactStore, Manifest
 from environments.hermes_base_env import HermesAgentBaseEnv
-from environments.registry import env_class
+from environments.registry import categories_of, env_class
 from training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
 from training.config import RunnerConfig
 from training.models import resolve_model
@@ -313,11 +313,15 @@ def policy_envs(
     cfg: RunnerConfig, envs: list[HermesAgentBaseEnv | str] | None, model_dir: Path, tokenizer: Any
 ) -> list[HermesAgentBaseEnv]:
     """The run's envs, set up, on the policy's own tokenizer, their turns capped by `max_tool_calls`."""
-    overrides = {"difficulty": cfg.difficulty, "categories": cfg.categories, "seed": cfg.seed}
-    built = [
-        env_class(env)(tokenizer_name=str(model_dir), **overrides) if isinstance(env, str) else env
-        for env in (envs or cfg.envs)
-    ]
+
+    def make(name: str) -> HermesAgentBaseEnv:
+        cls = env_class(name)
+        categories = categories_of(cls, cfg.categories)
+        mix = (cfg.task_mix or {}).get(name)
+        return cls(tokenizer_name=str(model_dir), difficulty=cfg.difficulty, categories=categories, task_mix=mix,
+                   seed=cfg.seed)  # fmt: skip
+
+    built = [make(env) if isinstance(env, str) else env for env in (envs or cfg.envs)]
     for one in built:
         asyncio.run(one.setup())
         one.config.tokenizer_name, one.tokenizer = str(model_dir), tokenizer

@@ -9,9 +9,10 @@ import json
 import random
 
 from data import ArtifactStore
+from evaluation import gate as gate_module
 from evaluation import weakness
 from evaluation.gate import GateConfig, decide, gate
-from evaluation.weakness import MiningConfig, flatten, mine, mine_to_store
+from evaluation.weakness import CurriculumSpec, MiningConfig, flatten, mine, mine_to_store
 
 
 def _samples(rates: dict[tuple[str, str, str], float], n: int = 20, seed: int = 0) -> list[dict]:
@@ -36,6 +37,7 @@ def _samples(rates: dict[tuple[str, str, str], float], n: int = 20, seed: int = 
     return out
 
 
+KEY = ("tool_use_chain", "todo_report", "easy")
 PLANTED = {
     ("tool_use_chain", "todo_report", "easy"): 0.95,
     ("tool_use_chain", "todo_report", "hard"): 0.05,  # The planted weak slice.
@@ -48,13 +50,11 @@ def test_wilson_doc_example() -> None:
     assert doctest.testmod(weakness).failed == 0
 
 
-def test_miner_ranks_the_planted_weak_slice_first_and_upweights_it() -> None:
+def test_miner_ranks_the_planted_weak_slice_first() -> None:
     result = mine(flatten("agentic", _samples(PLANTED)), MiningConfig(threshold=0.5, min_samples=5))
     assert result["slices"][0]["slice"] == "tool_use_chain|todo_report|hard"
     assert result["slices"][0]["weak"] and result["slices"][0]["exemplars"]
     assert "tool_use_chain|todo_report|easy" not in result["weak"]
-    mix = result["task_mix"]["tool_use_chain"]
-    assert mix["todo_report/hard"] > 3.0 and mix["todo_report/easy"] == 1.0
     assert "tool_use_chain|error:unknown_tool|*" in {r["slice"] for r in result["slices"]}
 
 
@@ -64,15 +64,18 @@ def test_small_slices_are_never_flagged() -> None:
 
 
 def test_mining_tracks_slices_across_rounds(store: ArtifactStore) -> None:
+    spec = CurriculumSpec(families={"tool_use_chain": ("todo_report", "line_count", "csv_summary")})
     first = store.put("eval", "agentic", {"samples/tool_use_chain.jsonl": _jsonl(_samples(PLANTED))})
-    mine_to_store(store, [first.id])
+    mined = mine_to_store(store, [first.id], curriculum=spec, name="weaknesses-r0")
     better = dict(PLANTED) | {("tool_use_chain", "todo_report", "hard"): 0.6}
     second = store.put("eval", "agentic", {"samples/tool_use_chain.jsonl": _jsonl(_samples(better, seed=1))})
-    manifest = mine_to_store(store, [second.id])
+    manifest = mine_to_store(store, [second.id], curriculum=spec, name="weaknesses-r1", previous=mined.id)
     history = store.read_json(manifest.id, "weaknesses.json")["history"]["tool_use_chain|todo_report|hard"]
     assert len(history) == 2 and history[1] < history[0]
-    assert manifest.parents == [second.id]
-    assert json.loads(store.read_bytes(manifest.id, "task_mix.json"))["tool_use_chain"]
+    assert manifest.parents == [second.id, mined.id]
+    slices = store.read_json(manifest.id, "curriculum.json")["slices"]["tool_use_chain"]
+    assert {r["slice"]: r["class"] for r in slices["slices"]}["todo_report/easy"] == "mastered"
+    assert "todo_report/medium" in slices["unlocked"]
 
 
 def _jsonl(rows: list[dict]) -> str:
@@ -121,6 +124,22 @@ def test_gate_moves_the_champion_ref_and_records_the_decision(store: ArtifactSto
     e3 = store.put("eval", "agentic", {"samples/tool_use_chain.jsonl": _jsonl(_samples(base, n=60, seed=4))})
     third = gate(store, [e3.id], weak.id)
     assert not store.read_json(third.id, "decision.json")["promote"] and store.resolve("champion") == strong.id
+
+
+def test_a_champion_moved_while_the_gate_ran_leaves_no_claimed_promotion(store: ArtifactStore, monkeypatch) -> None:
+    weak, strong, other = (store.put("checkpoint", f"m{i}", {"w": str(i).encode()}) for i in range(3))
+    e1 = store.put("eval", "agentic", {"samples/tool_use_chain.jsonl": _jsonl(_samples({KEY: 0.3}, n=60))})
+    gate(store, [e1.id], weak.id)
+    e2 = store.put("eval", "agentic", {"samples/tool_use_chain.jsonl": _jsonl(_samples({KEY: 0.9}, n=60, seed=3))})
+
+    def decide_while_another_gate_promotes(*args, **kwargs):  # type: ignore[no-untyped-def]
+        store.set_ref("champion", other.id)  # A concurrent round's gate wins the race.
+        return decide(*args, **kwargs)
+
+    monkeypatch.setattr(gate_module, "decide", decide_while_another_gate_promotes)
+    lost = store.read_json(gate(store, [e2.id], strong.id).id, "decision.json")
+    assert not lost["promote"] and "moved" in lost["reason"] and store.resolve("champion") == other.id
+    assert store.read_json("champion-evals", "decision.json")["candidate"] == weak.id  # Not re-pointed.
 
 
 def test_report_renders_html_and_non_empty_plots(store: ArtifactStore) -> None:

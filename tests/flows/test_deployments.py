@@ -17,7 +17,7 @@ import pytest
 
 from data import ArtifactStore, lineage
 from flows.local_server import prefect_bin, workers
-from flows.stages import GPU_STAGES, STAGES
+from flows.stages import STAGES
 from tests.conftest import TEST_BUCKET
 from tests.flows.conftest import flow_runs
 from tests.flows.test_cli import FLYWHEEL
@@ -97,7 +97,7 @@ def test_every_stage_runs_completed_on_its_pool(full_round: dict) -> None:
         assert run["state_type"] == "COMPLETED", (name, run["state"])
         assert run["deployment_id"], f"{name} did not run through its deployment"
         stage = name.rsplit("-r", 1)[0]
-        assert run["work_pool_name"] == ("h100" if stage in GPU_STAGES else "cpu"), name
+        assert run["work_pool_name"] == STAGES[stage].pool, name
         assert {"flywheel", f"stage-{stage}"} <= set(run["tags"])
     parent = next(run for run in runs.values() if run["name"] == "flywheel-tiny")
     assert parent["state_type"] == "COMPLETED" and parent["work_pool_name"] == "cpu"

@@ -14,7 +14,7 @@ from prefect.client.schemas.objects import FlowRun
 from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
 
 from flows.infra import h100_job_template
-from flows.stages import GPU_STAGES, STAGES
+from flows.stages import STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOYMENT_FILES = [ROOT / "prefect.yaml", ROOT / "deploy" / "prefect-cluster.yaml"]
@@ -62,10 +62,10 @@ def test_every_placeholder_in_the_template_is_a_declared_variable() -> None:
 def test_deployment_files_deploy_every_stage_on_its_pool(path: Path) -> None:
     spec = yaml.safe_load(path.read_text())
     deployments = {(d["entrypoint"].rsplit(":", 1)[1], d["name"]): d for d in spec["deployments"]}
-    stage_functions = {name: fn.fn.__name__ for name, fn in STAGES.items()}
-    for stage, function in stage_functions.items():
-        deployment = deployments[(function, "stage")]
-        assert deployment["work_pool"]["name"] == ("h100" if stage in GPU_STAGES else "cpu"), stage
+    stages = [d for d in spec["deployments"] if d["name"] == "stage"]
+    listed = [(d["entrypoint"], d["work_pool"]["name"], "gpu" in d["tags"]) for d in stages]
+    record = [(f"flows/stages.py:{s.flow.fn.__name__}", s.pool, s.gpu) for s in STAGES.values()]
+    assert listed == record, "the stage deployments must follow flows/stages.py's STAGES, in order"
     full = deployments[("flywheel", "full")]
     assert full["concurrency_limit"] == 1 and full["parameters"]["dispatch"] == "deployments"
     assert [s["active"] for s in full["schedules"]] == [False]  # A cron schedule, off by default.

@@ -19,8 +19,8 @@ def test_the_served_policy_can_be_the_teacher(model_store: ArtifactStore, tiny_m
     profile = PROFILES["tiny"].model_copy(update={"teacher": "policy", "groups": 2})
     base = model_store.resolve("model/tiny")
     manifest = work.generate(work.GenerateParams(store_url=model_store.url, profile=profile, tokenizer_model=base))
-    assert manifest.params["teacher"] == "server" and manifest.params["model"]  # The served tiny model acted.
-    lines = model_store.read_bytes(manifest.id, "tool_use_chain.jsonl").decode().splitlines()
+    assert manifest.params["teacher"] == ["server"] and manifest.params["model"]  # The served tiny model acted.
+    lines = model_store.read_bytes(manifest.id, "tool_use_chain-teacher.jsonl").decode().splitlines()
     assert len(lines) == 2 and all(len(json.loads(line)["scores"]) == 2 for line in lines)
 
 

@@ -1,0 +1,180 @@
+"""The curriculum: the champion's held-out outcomes -> what the next round generates and trains on.
+
+Each slice (env, category, difficulty) gets a class from Wilson intervals on its success rate:
+
+- *unsolved* (upper bound under `low`): teacher demonstrations for SFT;
+- *learnable* (in between): the champion's own rollouts (rejection-sampled into SFT rows and
+  preference pairs) and GRPO tasks weighted by learnability p(1 - p);
+- *mastered* (lower bound over `high`): a small replay share, and the category's next
+  difficulty unlocks (it stays unlocked in later rounds);
+- *locked*: a harder difficulty whose easier one is not mastered yet: nothing.
+
+A held-out set has only a few items per slice, so thin evidence climbs to the slice's parents
+(env x difficulty, then env) until an interval is decisive, as long as the slice's own outcomes
+point the same way; every row says which level decided.
+The generation budget is split over slices by class weight (largest remainder), so every
+decision - slice, class, weight, groups - is recorded and generation follows it exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from environments.task_stream import DIFFICULTIES
+
+SliceClass = Literal["unsolved", "learnable", "mastered", "locked"]
+SOURCES = {"unsolved": "teacher", "learnable": "policy", "mastered": "teacher", "locked": None}
+
+
+class CurriculumConfig(BaseModel):
+    """Thresholds and weights of the curriculum (a form in the UI, part of the round profile)."""
+
+    low: float = Field(default=0.3, gt=0, lt=1, description="Unsolved: success upper bound under this.")
+    high: float = Field(default=0.7, gt=0, lt=1, description="Mastered: success lower bound over this.")
+    z: float = Field(default=1.96, gt=0, description="Wilson interval width (1.96: 95 %).")
+    replay: float = Field(default=0.1, ge=0, description="Generation weight of a mastered slice (against forgetting).")
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval for a success rate.
+
+    >>> tuple(round(x, 3) for x in wilson(0, 10))
+    (0.0, 0.278)
+    """
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def build_curriculum(
+    outcomes: list[dict[str, Any]],
+    families: dict[str, tuple[str, ...]],
+    config: CurriculumConfig | None = None,
+    previous: dict[str, Any] | None = None,
+    difficulty: str | None = None,
+) -> dict[str, Any]:
+    """Per env, every slice's class and evidence, and the slices unlocked.
+
+    `outcomes`: `{source, category, difficulty, success}` rows (mining's flat samples);
+    `families`: env -> its categories; `previous`: the last round's curriculum (unlocks persist);
+    `difficulty`: a profile that fixes one difficulty gets only that one, always unlocked.
+    """
+    config = config or CurriculumConfig()
+    counts: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for row in outcomes:
+        for key in _levels(row["source"], row["category"], row["difficulty"]):
+            counts[key][0] += bool(row["success"])
+            counts[key][1] += 1
+    curriculum: dict[str, Any] = {}
+    for env, categories in families.items():
+        levels = (difficulty,) if difficulty else DIFFICULTIES
+        before = set((previous or {}).get(env, {}).get("unlocked", []))
+        rows, unlocked = [], set(before)
+        for category in categories:  # Easiest first: a slice mastered now unlocks the next one at once.
+            for level, harder in zip(levels, (*levels[1:], None), strict=True):
+                name = f"{category}/{level}"
+                if level == levels[0]:
+                    unlocked.add(name)
+                row = _classify(env, category, level, counts, config) | {"slice": name}
+                if name not in unlocked:
+                    row["class"] = "locked"
+                rows.append(row)
+                if row["class"] == "mastered" and harder:
+                    unlocked.add(f"{category}/{harder}")
+        curriculum[env] = {
+            "slices": rows,
+            "unlocked": sorted(unlocked),
+            "newly_unlocked": sorted(unlocked - before - {f"{c}/{levels[0]}" for c in categories}),
+        }
+    return curriculum
+
+
+def _levels(env: str, category: str, difficulty: str) -> list[tuple[str, str, str]]:
+    """The evidence levels of a slice, most specific first."""
+    return [(env, category, difficulty), (env, "*", difficulty), (env, "*", "*")]
+
+
+def _classify(
+    env: str, category: str, difficulty: str, counts: dict[tuple[str, str, str], list[int]], config: CurriculumConfig
+) -> dict[str, Any]:
+    """The class from the most specific decisive interval. A parent level decides only for a slice
+    whose own outcomes point the same way (a slice never seen, or one that disagrees, stays learnable)."""
+    own_wins, own_n = counts.get((env, category, difficulty), (0, 0))
+    for key in _levels(env, category, difficulty):
+        wins, n = counts.get(key, (0, 0))
+        if n == 0 or own_n == 0:
+            continue
+        low, high = wilson(wins, n, config.z)
+        if high < config.low and own_wins / own_n < config.low:
+            return _row("unsolved", own_wins, own_n, low, high, "/".join(key))
+        if low > config.high and own_wins / own_n > config.high:
+            return _row("mastered", own_wins, own_n, low, high, "/".join(key))
+    return _row("learnable", own_wins, own_n, *wilson(own_wins, own_n, config.z), "undecided")
+
+
+def _row(cls: SliceClass, wins: int, n: int, low: float, high: float, evidence: str) -> dict[str, Any]:
+    return {"class": cls, "wins": wins, "n": n, "ci": [round(low, 4), round(high, 4)], "evidence": evidence}
+
+
+def plan_generation(curriculum: dict[str, Any], groups: int, config: CurriculumConfig | None = None) -> dict[str, Any]:
+    """Split `groups` over every slice by class weight; per env and source (teacher / policy), the
+    slice weights and group count generation runs with. Records `weight` and `groups` per slice."""
+    config = config or CurriculumConfig()
+    weight = {"unsolved": 1.0, "learnable": 1.0, "mastered": config.replay, "locked": 0.0}
+    cells = [(env, row) for env, spec in curriculum.items() for row in spec["slices"]]
+    for _, row in cells:
+        row["weight"] = weight[row["class"]]
+    shares = largest_remainder([row["weight"] for _, row in cells], groups)
+    plan: dict[str, Any] = defaultdict(dict)
+    for (env, row), share in zip(cells, shares, strict=True):
+        row["groups"] = share
+        source = SOURCES[row["class"]]
+        if share and source:
+            part = plan[env].setdefault(source, {"groups": 0, "mix": {}})
+            part["groups"] += share
+            part["mix"][row["slice"]] = share
+    for env, parts in plan.items():
+        for part in parts.values():  # Slices the mix leaves out get weight 0 (TaskStream's default is 1).
+            part["mix"] = {row["slice"]: part["mix"].get(row["slice"], 0) for row in curriculum[env]["slices"]}
+    return dict(plan)
+
+
+def rl_mix(curriculum: dict[str, Any], config: CurriculumConfig | None = None) -> dict[str, dict[str, float]]:
+    """Per env, GRPO task weights: learnability p(1 - p) of each unlocked, unmastered slice (p: the
+    Wilson centre, so a slice never seen still counts); all mastered -> uniform over the unlocked."""
+    config = config or CurriculumConfig()
+    mix: dict[str, dict[str, float]] = {}
+    for env, spec in curriculum.items():
+        weights = {}
+        for row in spec["slices"]:
+            p = sum(wilson(row["wins"], row["n"], config.z)) / 2
+            active = row["class"] in ("unsolved", "learnable")
+            weights[row["slice"]] = round(p * (1 - p), 4) if active else 0.0
+        if not any(weights.values()):
+            weights = {row["slice"]: float(row["class"] != "locked") for row in spec["slices"]}
+        mix[env] = weights
+    return mix
+
+
+def largest_remainder(weights: list[float], total: int) -> list[int]:
+    """Integers proportional to `weights` summing to `total` (zero weights get zero).
+
+    >>> largest_remainder([1, 1, 0.1], 10)
+    [5, 5, 0]
+    """
+    mass = sum(weights)
+    if mass <= 0:
+        return [0] * len(weights)
+    exact = [w / mass * total for w in weights]
+    shares = [math.floor(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - shares[i]), i))
+    for i in order[: total - sum(shares)]:
+        shares[i] += 1
+    return shares

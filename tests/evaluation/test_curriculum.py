@@ -1,0 +1,123 @@
+"""The curriculum, driven by scripted held-out outcomes: classes from Wilson intervals, unlocks,
+a generation plan that generation follows exactly, teacher data for unsolved slices."""
+
+from __future__ import annotations
+
+import doctest
+import json
+from collections import Counter
+
+from data import ArtifactStore
+from environments.generate import GenerationPart, generate_rollouts
+from environments.task_stream import TaskStream
+from environments.tasks import tool_use_chain_tasks
+from evaluation import curriculum as curriculum_module
+from evaluation.curriculum import CurriculumConfig, build_curriculum, plan_generation, rl_mix
+from evaluation.weakness import CurriculumSpec, mine_to_store
+
+CATEGORIES = tool_use_chain_tasks.CATEGORIES  # todo_report, line_count, csv_summary
+FAMILIES = {"tool_use_chain": CATEGORIES}
+
+
+def outcomes(script: dict[tuple[str, str], tuple[int, int]], env: str = "tool_use_chain") -> list[dict]:
+    """(category, difficulty) -> (wins, n) as mining's flat rows."""
+    rows = []
+    for (category, difficulty), (wins, n) in script.items():
+        rows += [{"source": env, "category": category, "difficulty": difficulty, "success": i < wins} for i in range(n)]
+    return rows
+
+
+def classes(curriculum: dict, env: str = "tool_use_chain") -> dict[str, str]:
+    return {row["slice"]: row["class"] for row in curriculum[env]["slices"]}
+
+
+def test_doc_examples() -> None:
+    assert doctest.testmod(curriculum_module).failed == 0
+
+
+def test_slices_are_classed_by_their_intervals_and_mastery_unlocks_the_next_difficulty() -> None:
+    script = {("todo_report", "easy"): (0, 12), ("line_count", "easy"): (6, 12), ("csv_summary", "easy"): (12, 12)}
+    result = build_curriculum(outcomes(script), FAMILIES)
+    got = classes(result)
+    assert got["todo_report/easy"] == "unsolved" and got["line_count/easy"] == "learnable"
+    assert got["csv_summary/easy"] == "mastered"
+    # Mastered easy csv_summary unlocks csv_summary/medium; the other categories' harder slices stay locked.
+    assert "csv_summary/medium" in result["tool_use_chain"]["unlocked"]
+    assert result["tool_use_chain"]["newly_unlocked"] == ["csv_summary/medium"]
+    assert got["csv_summary/medium"] != "locked" and got["csv_summary/hard"] == "locked"
+    assert got["todo_report/medium"] == got["line_count/hard"] == "locked"
+
+
+def test_thin_evidence_climbs_to_the_env_and_says_so() -> None:
+    # One item per slice: no slice is decisive alone, the env's 0 of 12 is.
+    script = {(c, d): (0, 1) for c in CATEGORIES for d in ("easy", "medium", "hard")}
+    script[("todo_report", "easy")] = (0, 4)
+    row = build_curriculum(outcomes(script), FAMILIES)["tool_use_chain"]["slices"][0]
+    assert row["class"] == "unsolved" and row["evidence"] == "tool_use_chain/*/*"
+    # Mixed results everywhere: nothing decisive at any level -> learnable, "undecided".
+    mixed = {(c, "easy"): (1, 2) for c in CATEGORIES}
+    row = build_curriculum(outcomes(mixed), FAMILIES)["tool_use_chain"]["slices"][0]
+    assert row["class"] == "learnable" and row["evidence"] == "undecided"
+
+
+def test_unlocks_persist_and_a_fixed_difficulty_never_locks() -> None:
+    first = build_curriculum(outcomes({("todo_report", "easy"): (12, 12)}), FAMILIES)
+    assert "todo_report/medium" in first["tool_use_chain"]["unlocked"]
+    # Next round the easy slice slips below mastery: medium stays unlocked (mastery is not taken back).
+    second = build_curriculum(outcomes({("todo_report", "easy"): (6, 12)}), FAMILIES, previous=first)
+    assert classes(second)["todo_report/medium"] != "locked" and second["tool_use_chain"]["newly_unlocked"] == []
+    fixed = build_curriculum(outcomes({("todo_report", "hard"): (0, 12)}), FAMILIES, difficulty="hard")
+    assert classes(fixed) == {"todo_report/hard": "unsolved", "line_count/hard": "learnable",
+                              "csv_summary/hard": "learnable"}  # fmt: skip  (Unseen slices: try them.)
+
+
+def test_the_generation_plan_routes_classes_to_actors_and_generation_follows_it_exactly() -> None:
+    script = {("todo_report", "easy"): (0, 12), ("line_count", "easy"): (6, 12), ("csv_summary", "easy"): (12, 12)}
+    script[("csv_summary", "medium")] = (0, 12)  # Unlocked by the mastered easy slice, and unsolved.
+    curriculum = build_curriculum(outcomes(script), FAMILIES)
+    plan = plan_generation(curriculum, groups=31, config=CurriculumConfig(replay=0.1))
+    rows = {row["slice"]: row for row in curriculum["tool_use_chain"]["slices"]}
+    # Weights 1 (unsolved) : 1 (learnable) : 0.1 (mastered, replay) : 1 (unsolved) of 31 groups.
+    assert [rows[s]["groups"] for s in ("todo_report/easy", "line_count/easy", "csv_summary/easy")] == [10, 10, 1]
+    assert rows["csv_summary/medium"]["groups"] == 10
+    assert not any(row["groups"] for row in rows.values() if row["class"] == "locked")
+    teacher, policy = plan["tool_use_chain"]["teacher"], plan["tool_use_chain"]["policy"]
+    assert policy["groups"] == 10 and {s for s, w in policy["mix"].items() if w} == {"line_count/easy"}
+    assert teacher["groups"] == 21  # Unsolved demonstrations + the mastered slice's replay.
+    assert {s for s, w in teacher["mix"].items() if w} == {"todo_report/easy", "csv_summary/easy", "csv_summary/medium"}
+    # A stream with the part's mix yields exactly the planned count of every slice.
+    stream = TaskStream("tool_use_chain", tool_use_chain_tasks.make_task, CATEGORIES, seed=3, mix=teacher["mix"])
+    drawn = Counter(f"{c}/{d}" for c, d in (stream.slice_of(i) for i in range(teacher["groups"])))
+    assert drawn == {s: w for s, w in teacher["mix"].items() if w}
+
+
+def test_grpo_weights_learnable_slices_by_p_times_one_minus_p() -> None:
+    script = {("todo_report", "easy"): (0, 12), ("line_count", "easy"): (6, 12), ("csv_summary", "easy"): (12, 12)}
+    mix = rl_mix(build_curriculum(outcomes(script), FAMILIES))["tool_use_chain"]
+    assert mix["line_count/easy"] > mix["todo_report/easy"] > 0  # p ~ 0.5 beats p ~ 0.1.
+    assert mix["csv_summary/easy"] == 0 and mix["todo_report/hard"] == 0  # Mastered, locked.
+    everything_mastered = {(c, d): (12, 12) for c in CATEGORIES for d in ("easy", "medium", "hard")}
+    uniform = rl_mix(build_curriculum(outcomes(everything_mastered), FAMILIES))["tool_use_chain"]
+    assert set(uniform.values()) == {1.0}  # Nothing left to learn: every unlocked slice alike.
+
+
+def test_unsolved_slices_get_teacher_demonstrations(tmp_path, tiny_model) -> None:
+    """The stored curriculum's plan, run with the oracle: every group is from a planned slice, in the planned count."""
+    store = ArtifactStore(tmp_path / "store")
+    samples = [
+        {"env": "tool_use_chain", "item_id": f"{c}{i}", "category": c, "difficulty": "easy",
+         "reward": 0.0, "success": False} for c in CATEGORIES for i in range(4)
+    ]  # fmt: skip
+    jsonl = "".join(json.dumps(s) + "\n" for s in samples)
+    evals = store.put("eval", "agentic-base", {"samples/tool_use_chain.jsonl": jsonl})
+    spec = CurriculumSpec(families=FAMILIES, groups=3)
+    mined = mine_to_store(store, [evals.id], curriculum=spec, name="weaknesses-r0")
+    plan = store.read_json(mined.id, "curriculum.json")["generate"]["tool_use_chain"]
+    assert set(plan) == {"teacher"}  # Nothing is learnable yet: the policy has nothing to roll.
+    part = GenerationPart(env="tool_use_chain", groups=plan["teacher"]["groups"], task_mix=plan["teacher"]["mix"])
+    rollouts = generate_rollouts(store, [part], group_size=2, tokenizer=str(tiny_model), seed=1)
+    groups = [json.loads(line) for line in store.read_bytes(rollouts.id, "tool_use_chain.jsonl").decode().splitlines()]
+    got = Counter(f"{g['meta']['category']}/{g['meta']['difficulty']}" for g in groups)
+    assert got == {s: n for s, n in plan["teacher"]["mix"].items() if n}
+    assert all(score >= 0.9 for g in groups for score in g["scores"]), [g["scores"] for g in groups]  # Solved.
+    assert mined.metrics["slices_unsolved"] == 3 and mined.metrics["slices_locked"] == 6
