@@ -40,6 +40,7 @@ from typing import Any
 import fsspec
 from pydantic import ValidationError
 
+from data.costs import cost_metrics
 from data.errors import ArtifactNotFound, CorruptBlobError, StoreError, translate
 from data.manifest import FileEntry, Manifest, check_relpaths
 from data.refs import (
@@ -133,7 +134,8 @@ class ArtifactStore:
         """Store a file, a directory, or a {relpath: bytes|path} mapping as a new artifact.
 
         The ref `kind/name` then points at it. Names, paths, parents and the current ref are all
-        checked first, so bad input fails before any byte is written.
+        checked first, so bad input fails before any byte is written. Inside `track_costs()` the
+        metrics gain the process's `peak_rss_mb`.
         """
         if not _KIND.fullmatch(kind):
             raise StoreError(f"invalid kind '{kind}': use letters, digits, '-', '_', '.' (no '/')")
@@ -151,7 +153,7 @@ class ArtifactStore:
             files=files,
             parents=parent_ids,
             params=dict(params or {}),
-            metrics=dict(metrics or {}),
+            metrics=cost_metrics() | dict(metrics or {}),
         )
         self._transfer.write_object(self._manifest_path(manifest.id), manifest.canonical_bytes())
         self._translate(lambda: update_ref(self._refs, ref_name, manifest.id, lambda _current: True, seen))

@@ -92,6 +92,7 @@ def build_report(store: ArtifactStore, refs: list[str], name: str = "round") -> 
         out = Path(tmp)
         images = _plots(out, history, rewards, slices)
         summary = _markdown(name, agentic, lm_eval, slices, gate) + _curriculum_markdown(curriculum)
+        summary += _costs_markdown(manifests)
         (out / "summary.md").write_text(summary)
         (out / "report.html").write_text(_html(name, summary, images, agentic))
         metrics = {"agentic_samples": len(agentic), "weak_slices": len(weak.get("weak", [])), "rewards": len(rewards)}
@@ -143,6 +144,23 @@ def _markdown(name: str, agentic: list[dict], lm_eval: dict[str, Any], slices: l
             for metric, guard in sorted(gate["guards"].items()):
                 lines.append(f"| {metric} | {guard['delta']:+.3f} | {guard['n']} | {guard['regressed']} |")
             lines.append("")
+    return "\n".join(lines)
+
+
+def _costs_markdown(manifests: list[Manifest]) -> str:
+    """Each artifact's wall time and the peak memory of the stage that made it (cost accounting)."""
+    costed = [m for m in manifests if "peak_rss_mb" in m.metrics or "wall_seconds" in m.metrics]
+    if not costed:
+        return ""
+    lines = ["## Costs", "", "| artifact | wall time | peak memory |", "|---|---|---|"]
+    for m in costed:
+        wall = f"{m.metrics['wall_seconds']:.0f} s" if "wall_seconds" in m.metrics else "-"
+        peak = f"{m.metrics['peak_rss_mb'] / 1024:.2f} GB" if "peak_rss_mb" in m.metrics else "-"
+        lines.append(f"| {m.kind}/{m.name} | {wall} | {peak} |")
+    peaks = [m.metrics["peak_rss_mb"] for m in costed if "peak_rss_mb" in m.metrics]
+    if peaks:
+        peak = max(peaks) / 1024
+        lines += ["", f"Peak resident memory of the round: **{peak:.2f} GB** (model servers not counted).", ""]
     return "\n".join(lines)
 
 

@@ -435,10 +435,9 @@ def report(
 
     store = state.store
     if len(refs) == 1 and refs[0].isdigit():
-        suffix = f"-r{refs[0]}"
-        refs = [m.id for m in store.list() if m.name.endswith(suffix) and m.kind in ("eval", "weaknesses", "gate")]
-        if not refs:
-            raise StoreError(f"no eval, weaknesses or gate artifacts named *{suffix} in {store.url}")
+        from flows.flywheel import round_refs
+
+        refs = round_refs(store, int(refs[0]))
     manifest = build_report(store, refs, name or "report")
     out = store.materialize(manifest.id, default_cache_dir() / "reports")
     console.print(f"report/{manifest.name} = {manifest.id[:12]}: {out / 'report.html'}")

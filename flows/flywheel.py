@@ -15,7 +15,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from data import ArtifactStore, lineage
+from data import ArtifactStore, StoreError, lineage
 from evaluation.gate import recorded_evals, shares_items
 from evaluation.lm_eval_runner import model_ref_of
 from flows import work
@@ -97,8 +97,8 @@ def run_round(store: ArtifactStore, n: int, p: RoundProfile, stage: StageCall) -
     # The next curriculum follows the model the next round starts from.
     kept = rejudged or (recorded_evals(store, champion) if champion else [])
     mined = evals if decision["promote"] or not kept else kept
-    weaknesses = stage("mine", round_no=n, evals=mined, previous=previous)
-    return stage("report", round_no=n, refs=[*evals, weaknesses, decision_id]), decision
+    stage("mine", round_no=n, evals=mined, previous=previous)
+    return stage("report", round_no=n, refs=round_refs(store, n)), decision
 
 
 def completed_rounds(store: ArtifactStore) -> int:
@@ -107,6 +107,20 @@ def completed_rounds(store: ArtifactStore) -> int:
     while store.try_resolve(f"report/round-{n + 1}"):
         n += 1
     return n
+
+
+def round_refs(store: ArtifactStore, n: int) -> list[str]:
+    """What round n's report is built from (the flow and `flywheel report N` alike): the round's
+    rollouts, SFT set, checkpoints, the candidate's evals, the mined weaknesses and the gate decision."""
+    gate_id = store.try_resolve(f"gate/gate-r{n}")
+    if gate_id is None:
+        raise StoreError(f"round {n} has no gate decision in {store.url}: did it finish its gate stage?")
+    decision = store.read_json(gate_id, "decision.json")
+    made = (f"rollouts/round{n}", f"dataset/round{n}-sft", f"checkpoint/sft-r{n}", f"weaknesses/weaknesses-r{n}")
+    found = {ref: store.try_resolve(ref) for ref in made}
+    inputs = [found[ref] for ref in made[:3] if found[ref]]
+    mined = [found[made[3]]] if found[made[3]] else []
+    return [*inputs, decision["candidate"], *decision["candidate_evals"], *mined, gate_id]
 
 
 def round_inputs(store: ArtifactStore, n: int, p: RoundProfile) -> tuple[str, dict[str, Any] | None, str | None]:

@@ -13,6 +13,7 @@ test) derive from.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.concurrency.sync import concurrency
 
 from data import Manifest
+from data.costs import track_costs
 from flows import work
 from flows.profiles import RoundProfile
 from flows.ui import EvalProgress, ProgressArtifact, artifact_link, markdown, metrics_table, stage_run_name
@@ -42,8 +44,18 @@ POOLS = {"gpu": "h100", "cpu": "cpu"}  # The work pools of prefect.yaml and `fly
 
 
 def stage_flow(name: str) -> Callable[[Callable[..., str]], Any]:
-    """The stage decorator: run name `<stage>-r<round>`, result persisted (`run_deployment` reads it)."""
-    return flow(name=name, flow_run_name=stage_run_name(name), persist_result=True)
+    """The stage decorator: run name `<stage>-r<round>`, result persisted (`run_deployment` reads it),
+    and the stage's peak memory in its artifacts' metrics (`track_costs`), wherever it runs."""
+
+    def decorate(fn: Callable[..., str]) -> Any:
+        @functools.wraps(fn)
+        def costed(params: Any) -> str:
+            with track_costs():
+                return fn(params)
+
+        return flow(name=name, flow_run_name=stage_run_name(name), persist_result=True)(costed)
+
+    return decorate
 
 
 @contextlib.contextmanager
