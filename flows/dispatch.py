@@ -32,10 +32,12 @@ class StageFailed(RuntimeError):
     """A stage's deployment run ended in a state other than Completed."""
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
 @cache
-def code_digest() -> str:
+def code_digest(root: Path = ROOT) -> str:
     """sha256 of every source file of the flywheel packages: any code change invalidates the cache."""
-    root = Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
     for package in _PACKAGES:
         for path in sorted((root / package).rglob("*")):

@@ -1,0 +1,86 @@
+"""`run_round` with scripted stages (evaluations whose outcomes the test decides; gate and mine for
+real): round 1 starts from round 0's curriculum, round 2 from round 1's, and mastery unlocks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from data import ArtifactStore
+from environments.task_stream import DIFFICULTIES
+from environments.tasks.tool_use_chain_tasks import CATEGORIES
+from flows.flywheel import run_round
+from flows.profiles import PROFILES
+from flows.stages import STAGES
+
+PROFILE = PROFILES["tiny"].model_copy(update={"groups": 40})  # envs: tool_use_chain.
+SOLVED_BY_R1 = {("todo_report", "easy")}  # What the round-1 candidate learns.
+
+
+def scripted_round_stages(store: ArtifactStore) -> tuple[Any, list[tuple[str, dict[str, Any]]]]:
+    """A `stage` callable for `run_round` and the calls it received. Gate and mine run for real."""
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    def stage(name: str, /, **fields: Any) -> str:
+        calls.append((name, fields))
+        n = fields["round_no"]
+        if name in ("gate", "mine"):
+            params = STAGES[name].params(store_url=store.root_url, profile=PROFILE, **fields)
+            return STAGES[name].work(params).id
+        if name == "evaluate":
+            solved = SOLVED_BY_R1 if store.manifest(fields["model"]).name == "rl-r1" else set()
+            rows = [
+                {"env": "tool_use_chain", "item_id": f"{c}-{d}-{i}", "category": c, "difficulty": d,
+                 "reward": float((c, d) in solved), "success": (c, d) in solved}
+                for c in CATEGORIES for d in DIFFICULTIES for i in range(12)
+            ]  # fmt: skip
+            return store.put("eval", fields["name"], {"samples/tool_use_chain.jsonl": _jsonl(rows)}).id
+        if name == "lm_eval":
+            rows = [{"task": "flywheel_reasoning", "doc_id": i, "success": i % 2 == 0} for i in range(10)]
+            return store.put("eval", fields["name"], {"samples/flywheel_reasoning.jsonl": _jsonl(rows)}).id
+        made = {
+            "generate": ("rollouts", f"round{n}", []),
+            "curate": ("dataset", f"round{n}-sft", [fields.get("rollouts")]),
+            "sft": ("checkpoint", f"sft-r{n}", [fields.get("base"), fields.get("dataset")]),
+            "rl": ("checkpoint", f"rl-r{n}", [fields.get("policy")]),
+            "report": ("report", f"round-{n}", fields.get("refs", [])),
+        }[name]
+        kind, artifact, parents = made
+        return store.put(kind, artifact, {"x": json.dumps(fields, default=str)}, parents=[p for p in parents if p]).id
+
+    return stage, calls
+
+
+def _jsonl(rows: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def test_each_round_follows_the_curriculum_mined_before_it(tmp_path: Path) -> None:
+    store = ArtifactStore(tmp_path)
+    store.put("model", "tiny", {"config.json": "{}"})
+    stage, calls = scripted_round_stages(store)
+
+    report, decision = run_round(store, 1, PROFILE, stage)
+    assert decision["promote"]  # todo_report/easy: 0/12 -> 12/12, no lm-eval guard dropped.
+    names = [name for name, _ in calls]
+    assert names[:4] == ["evaluate", "lm_eval", "gate", "mine"]  # Round 0: the base judged and mined.
+    assert names[4:] == ["generate", "curate", "sft", "rl", "evaluate", "lm_eval", "gate", "mine", "report"]
+    curriculum_r0 = store.read_json("weaknesses/weaknesses-r0", "curriculum.json")
+    generate_r1 = dict(calls)["generate"]
+    assert generate_r1["plan"] == curriculum_r0["generate"]
+    assert generate_r1["plan"]["tool_use_chain"]["teacher"]["mix"]["todo_report/medium"] == 0  # Locked.
+    assert set(generate_r1["plan"]["tool_use_chain"]) == {"teacher"}  # The base solved nothing: all teacher.
+
+    calls.clear()
+    run_round(store, 2, PROFILE, stage)
+    curriculum_r1 = store.read_json("weaknesses/weaknesses-r1", "curriculum.json")
+    got = dict(calls)
+    assert got["generate"]["plan"] == curriculum_r1["generate"] and got["rl"]["task_mix"] == curriculum_r1["rl"]
+    classes = {r["slice"]: r["class"] for r in curriculum_r1["slices"]["tool_use_chain"]["slices"]}
+    assert classes["todo_report/easy"] == "mastered" and classes["todo_report/medium"] == "unsolved"
+    assert curriculum_r1["slices"]["tool_use_chain"]["newly_unlocked"] == ["todo_report/medium"]
+    teacher = got["generate"]["plan"]["tool_use_chain"]["teacher"]["mix"]
+    assert teacher["todo_report/medium"] > teacher["todo_report/easy"] > 0  # New work, and a little replay.
+    assert got["rl"]["task_mix"]["tool_use_chain"]["todo_report/easy"] == 0  # GRPO leaves the mastered slice.
+    assert store.manifest(report).parents  # The report is built from the round's artifacts.
