@@ -2,9 +2,10 @@
 
 Each slice (env, category, difficulty) gets a class from Wilson intervals on its success rate:
 
-- *unsolved* (upper bound under `low`): teacher demonstrations for SFT;
-- *learnable* (in between): the champion's own rollouts (rejection-sampled into SFT rows and
-  preference pairs) and GRPO tasks weighted by learnability p(1 - p);
+- *unsolved* (upper bound under `low`, or no success seen yet - a slice the champion never
+  solved gives rejection sampling nothing to keep): teacher demonstrations for SFT;
+- *learnable* (in between, with a success seen): the champion's own rollouts (rejection-sampled
+  into SFT rows and preference pairs) and GRPO tasks weighted by learnability p(1 - p);
 - *mastered* (lower bound over `high`): a small replay share, and the category's next
   difficulty unlocks (it stays unlocked in later rounds);
 - *locked*: a harder difficulty whose easier one is not mastered yet: nothing.
@@ -105,7 +106,8 @@ def _classify(
     env: str, category: str, difficulty: str, counts: dict[tuple[str, str, str], list[int]], config: CurriculumConfig
 ) -> dict[str, Any]:
     """The class from the most specific decisive interval. A parent level decides only for a slice
-    whose own outcomes point the same way (a slice never seen, or one that disagrees, stays learnable)."""
+    whose own outcomes point the same way; nothing decisive: unsolved until a success is seen,
+    then learnable."""
     own_wins, own_n = counts.get((env, category, difficulty), (0, 0))
     for key in _levels(env, category, difficulty):
         wins, n = counts.get(key, (0, 0))
@@ -116,6 +118,8 @@ def _classify(
             return _row("unsolved", own_wins, own_n, low, high, "/".join(key))
         if low > config.high and own_wins / own_n > config.high:
             return _row("mastered", own_wins, own_n, low, high, "/".join(key))
+    if own_wins == 0:  # Nothing for rejection sampling to keep: demonstrations until it shows a success.
+        return _row("unsolved", own_wins, own_n, *wilson(own_wins, own_n, config.z), "no success yet")
     return _row("learnable", own_wins, own_n, *wilson(own_wins, own_n, config.z), "undecided")
 
 

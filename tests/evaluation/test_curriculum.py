@@ -67,8 +67,9 @@ def test_unlocks_persist_and_a_fixed_difficulty_never_locks() -> None:
     second = build_curriculum(outcomes({("todo_report", "easy"): (6, 12)}), FAMILIES, previous=first)
     assert classes(second)["todo_report/medium"] != "locked" and second["tool_use_chain"]["newly_unlocked"] == []
     fixed = build_curriculum(outcomes({("todo_report", "hard"): (0, 12)}), FAMILIES, difficulty="hard")
-    assert classes(fixed) == {"todo_report/hard": "unsolved", "line_count/hard": "learnable",
-                              "csv_summary/hard": "learnable"}  # fmt: skip  (Unseen slices: try them.)
+    assert classes(fixed) == {f"{c}/hard": "unsolved" for c in CATEGORIES}  # Unseen: no success yet.
+    evidence = [r["evidence"] for r in fixed["tool_use_chain"]["slices"]]
+    assert evidence == ["tool_use_chain/todo_report/hard", "no success yet", "no success yet"]
 
 
 def test_the_generation_plan_routes_classes_to_actors_and_generation_follows_it_exactly() -> None:
