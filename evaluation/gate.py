@@ -1,6 +1,6 @@
 """The promotion gate: a candidate becomes `champion` only if it wins on the same eval sets.
 
-Per-item successes of candidate and champion are paired by (env, item_id). The primary metric
+Per-item successes of candidate and champion are paired by (env, item_id, the task's digest). The primary metric
 (overall agentic success) must improve with paired-bootstrap confidence; no guarded metric (each
 env's success rate, each lm-eval task's accuracy) may drop by more than `tolerance`. The decision
 and its numbers are stored as a `gate` artifact, and `champion` moves by compare-and-swap.
@@ -8,6 +8,7 @@ and its numbers are stored as a `gate` artifact, and `champion` moves by compare
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections import defaultdict
@@ -35,12 +36,19 @@ def paired_outcomes(store: ArtifactStore, eval_ref: str) -> dict[str, dict[str, 
             if "env" in sample:
                 if sample.get("reward") is None:
                     continue
-                key, value = f"{sample['env']}:{sample['item_id']}", float(bool(sample["success"]))
+                key, value = _item_key(sample), float(bool(sample["success"]))
                 groups["primary"][key] = value
                 groups[f"env/{sample['env']}"][key] = value
             else:
                 groups[f"task/{sample['task']}"][str(sample["doc_id"])] = float(bool(sample["success"]))
     return groups
+
+
+def _item_key(sample: dict[str, Any]) -> str:
+    """`env:item_id#<task digest>`: the digest of the task as the model saw it (system prompt with its
+    tools, user prompt), so an item whose task changed between two evals is not the same item."""
+    seen = json.dumps((sample.get("messages") or [])[:2], sort_keys=True)
+    return f"{sample['env']}:{sample['item_id']}#{hashlib.sha256(seen.encode()).hexdigest()[:12]}"
 
 
 def decide(

@@ -187,3 +187,20 @@ def test_gate_judges_the_champion_again_when_the_held_out_items_changed(store: A
     assert shares_items(store, [candidate.id], [champion_eval.id])
     fair = store.read_json(gate(store, [candidate.id], new.id, champion_evals=[champion_eval.id]).id, "decision.json")
     assert fair["promote"] and fair["n_shared"] == 40 and store.resolve("champion") == new.id
+
+
+def test_an_item_whose_task_changed_is_not_the_same_item(store: ArtifactStore) -> None:
+    """Same ids, new task content (a task family changed between rounds): the champion is judged again."""
+    from evaluation.gate import shares_items
+
+    def with_prompt(rows: list[dict], tools: str) -> list[dict]:
+        return [{**r, "messages": [{"role": "system", "content": tools}, *r["messages"]]} for r in rows]
+
+    def stored(name: str, rows: list[dict]) -> str:
+        return store.put("eval", name, {"samples/tool_use_chain.jsonl": _jsonl(rows)}).id
+
+    rows = _samples({KEY: 0.5}, n=10)
+    before = stored("agentic", with_prompt(rows, "read_file(path)"))
+    same = stored("agentic-again", with_prompt(rows, "read_file(path)"))
+    after = stored("agentic-typed", with_prompt(rows, "read_file(path, max_lines: integer)"))
+    assert shares_items(store, [same], [before]) and not shares_items(store, [after], [before])
