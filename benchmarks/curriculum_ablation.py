@@ -1,0 +1,99 @@
+"""Curriculum ablation: round 2 twice from the same round-1 champion, at equal compute - the mined
+curriculum vs a uniform mix - judged on the slices round 1 left unmastered.
+
+Run (after `flywheel round` has finished round 1 in the store):
+    .venv/bin/python benchmarks/curriculum_ablation.py [--store ./.flywheel] [--profile default]
+
+Each arm copies the store as it was after round 1 and runs round 2 through `run_round` (the plain
+library calls, no Prefect), with the same profile except `curriculum`: the same generation
+groups, SFT and GRPO steps, held-out items and lm-eval tasks. Printed: per weak slice (unsolved
+or learnable in round 1's curriculum) the held-out success of both candidates, and the totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from data import ArtifactStore
+from flows.flywheel import completed_rounds, run_round
+from flows.profiles import PROFILES, RoundProfile
+from flows.stages import STAGES
+
+
+def weak_slices(store: ArtifactStore) -> set[str]:
+    """`env/category/difficulty` of every slice round 1's curriculum left unsolved or learnable."""
+    curriculum = store.read_json("weaknesses/weaknesses-r1", "curriculum.json")["slices"]
+    return {
+        f"{env}/{row['slice']}"
+        for env, spec in curriculum.items()
+        for row in spec["slices"]
+        if row["class"] in ("unsolved", "learnable")
+    }
+
+
+def slice_success(store: ArtifactStore, eval_ref: str, slices: set[str]) -> dict[str, tuple[int, int]]:
+    """(successes, scored items) per slice of `slices` in an agentic eval artifact."""
+    manifest = store.manifest(eval_ref)
+    out: dict[str, list[int]] = {s: [0, 0] for s in slices}
+    for relpath in (p for p in manifest.files if p.startswith("samples/")):
+        for line in store.read_bytes(manifest.id, relpath).decode().splitlines():
+            sample = json.loads(line)
+            key = f"{sample.get('env')}/{sample.get('category')}/{sample.get('difficulty')}"
+            if key in out and sample.get("reward") is not None:
+                out[key][0] += bool(sample["success"])
+                out[key][1] += 1
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def run_arm(source: Path, workdir: Path, p: RoundProfile) -> tuple[ArtifactStore, str]:
+    """Round 2 on a copy of the round-1 store; the candidate's agentic eval id."""
+    copy = workdir / p.curriculum
+    shutil.copytree(source, copy)
+    store = ArtifactStore(copy)
+    common = {"store_url": store.root_url, "profile": p}
+
+    def stage(name: str, /, **fields: Any) -> str:
+        return STAGES[name].work(STAGES[name].params(**common, **fields)).id
+
+    run_round(store, 2, p, stage)
+    return store, store.resolve("eval/agentic-r2")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--store", default=".flywheel", help="a local store where round 1 has finished")
+    parser.add_argument("--profile", default="default", choices=sorted(PROFILES))
+    args = parser.parse_args()
+    source = Path(args.store)
+    if completed_rounds(ArtifactStore(source)) != 1:
+        parser.error(f"{source} must hold exactly round 1 (a report of round 1 and none of round 2)")
+    weak = weak_slices(ArtifactStore(source))
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="ablation-") as tmp:
+        for arm in ("mined", "uniform"):
+            p = PROFILES[args.profile].model_copy(update={"curriculum": arm})
+            store, eval_id = run_arm(source, Path(tmp), p)
+            results[arm] = slice_success(store, eval_id, weak)
+    print(f"round 2 from the same round-1 champion, profile {args.profile}: held-out success on round 1's weak slices")
+    print(f"{'slice':<45} {'mined':>8} {'uniform':>8}")
+    totals = {arm: [0, 0] for arm in results}
+    for key in sorted(weak):
+        cells = []
+        for arm in ("mined", "uniform"):
+            wins, n = results[arm][key]
+            totals[arm][0] += wins
+            totals[arm][1] += n
+            cells.append(f"{wins}/{n}" if n else "-")
+        print(f"{key:<45} {cells[0]:>8} {cells[1]:>8}")
+    rates = {arm: (w / n if n else 0.0) for arm, (w, n) in totals.items()}
+    print(f"{'all weak slices':<45} {rates['mined']:>8.2f} {rates['uniform']:>8.2f}")
+    print(f"curriculum - uniform: {rates['mined'] - rates['uniform']:+.2f} (goal: > 0)")
+
+
+if __name__ == "__main__":
+    main()
