@@ -4,6 +4,7 @@ benchmark runs as its plain-script baseline (so the two measure the same work)."
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -26,6 +27,8 @@ from training.launch import launch
 from training.models import resolve_model
 from training.registry import run_training
 from training.sft import SFTRunConfig
+
+logger = logging.getLogger(__name__)
 
 
 class StageParams(BaseModel):
@@ -202,7 +205,12 @@ def server_config(p: RoundProfile, model_dir: str, planned: bool = False) -> Ser
 
 
 def sft(params: SFTParams, callbacks: list[Any] | None = None) -> Manifest:
-    """Supervised fine-tuning (TRL SFTTrainer) on the curated set."""
+    """Supervised fine-tuning (TRL SFTTrainer) on the curated set; an empty set (every rollout of the
+    round failed) trains nothing and passes the base on to GRPO, with a warning."""
+    store = params.store()
+    if store.manifest(params.dataset).metrics.get("sft_examples", 1) == 0:
+        logger.warning("round %d: the curated SFT set is empty: no SFT, GRPO starts from the base", params.round_no)
+        return store.manifest(params.base)
     return _train(sft_config(params), params, callbacks)
 
 

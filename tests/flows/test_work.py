@@ -41,3 +41,12 @@ def test_a_round_refuses_a_champion_from_another_base_model(tmp_path) -> None:
 def test_round_two_needs_round_one(tmp_path) -> None:
     with pytest.raises(ConfigError, match="no report of round 1"):
         round_inputs(ArtifactStore(tmp_path), 2, PROFILES["tiny"])
+
+
+def test_an_empty_sft_set_passes_the_base_on(tmp_path) -> None:
+    """Every rollout of the round failed: SFT trains nothing, GRPO starts from the base."""
+    store = ArtifactStore(tmp_path)
+    base = store.put("model", "tiny", {"config.json": "{}"})
+    empty = store.put("dataset", "round1-sft", {"train.jsonl": ""}, metrics={"sft_examples": 0})
+    params = work.SFTParams(store_url=str(tmp_path), profile=PROFILES["tiny"], base=base.id, dataset=empty.id)
+    assert work.sft(params).id == base.id
