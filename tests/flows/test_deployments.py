@@ -23,7 +23,7 @@ from tests.flows.conftest import flow_runs
 from tests.flows.test_cli import FLYWHEEL
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGE_RUNS = {f"{stage}-r1" for stage in STAGES} | {"evaluate-r0", "gate-r0"}
+STAGE_RUNS = {f"{stage}-r1" for stage in STAGES} | {"evaluate-r0", "lm_eval-r0", "gate-r0", "mine-r0"}
 
 
 class _Alerts(http.server.BaseHTTPRequestHandler):
@@ -109,7 +109,7 @@ def test_every_artifact_and_its_lineage_is_in_the_s3_store(full_round: dict) -> 
     assert {"model", "rollouts", "dataset", "checkpoint", "eval", "gate", "weaknesses", "report"} <= kinds
     walked = {(m.kind, m.name) for m in lineage(store, "report/round-1").walk()}
     assert {("checkpoint", "rl-r1"), ("checkpoint", "sft-r1"), ("dataset", "round1-sft"), ("model", "tiny")} <= walked
-    assert ("rollouts", "tool_use_chain-r1") in walked
+    assert ("rollouts", "round1") in walked
     assert store.verify() == []
     assert store.fs.exists(f"{store.root}/prefect-results")  # The stage cache lives with the artifacts.
 
@@ -121,6 +121,7 @@ def test_eval_only_evaluates_the_champion(full_round: dict) -> None:
     store = ArtifactStore(store_url)
     manifest = store.manifest("eval/eval-champion")
     assert store.resolve("champion") in manifest.parents
+    assert store.resolve("champion") in store.manifest("eval/lm-eval-champion").parents  # Both evaluations ran.
     run = next(r for r in flow_runs(env) if r["name"] == "eval-champion")
     assert run["work_pool_name"] == "h100" and run["state_type"] == "COMPLETED"
 
