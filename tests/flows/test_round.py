@@ -29,6 +29,8 @@ def test_a_round_killed_in_sft_resumes_without_recomputing(prefect_server: dict[
     done = subprocess.run(round_command(whole), env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "report:" in done.stdout and "Promotion gate" in done.stdout
+    assert "Next round's curriculum" in done.stdout and "Peak resident memory of the round" in done.stdout
+    assert "lm-eval task" in done.stdout and "task/flywheel_tool_call" in done.stdout  # Results and their guard.
     store_a = ArtifactStore(whole)
     assert {"model", "rollouts", "dataset", "checkpoint", "eval", "gate", "weaknesses", "report"} <= {
         m.kind for m in store_a.list()
@@ -80,6 +82,6 @@ def test_a_round_killed_in_sft_resumes_without_recomputing(prefect_server: dict[
     assert digest(store_a, "dataset/round1-sft", "train.jsonl") == digest(store_b, "dataset/round1-sft", "train.jsonl")
     for ref in ("checkpoint/sft-r1", "checkpoint/rl-r1"):
         assert digest(store_a, ref, WEIGHTS) == digest(store_b, ref, WEIGHTS), ref
-    untimed = {"wall_seconds": 0}
+    untimed = {"wall_seconds": 0, "peak_rss_mb": 0}
     for ref in ("eval/agentic-r1", "gate/gate-r1"):
         assert store_a.manifest(ref).metrics | untimed == store_b.manifest(ref).metrics | untimed, ref
