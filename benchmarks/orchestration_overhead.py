@@ -1,7 +1,7 @@
 """Orchestration overhead: a flywheel round through the Prefect flows vs the same library calls in a
 plain script, side by side in one process, against a real local Prefect server.
 
-Run: .venv/bin/python benchmarks/orchestration_overhead.py [--profile tiny] [--repeats 1]
+Run: .venv/bin/python benchmarks/orchestration_overhead.py [--profile quick] [--repeats 1]
 
 "plain" calls `flows.work` stage by stage (exactly what each stage flow runs, without Prefect);
 "flows" runs the `flywheel` flow (local dispatch: task + subflow per stage, cache records, UI
@@ -47,7 +47,7 @@ def timed(fn, *args, **kwargs) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", default="tiny", choices=sorted(PROFILES))
+    parser.add_argument("--profile", default="quick", choices=sorted(PROFILES))
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     p = PROFILES[args.profile]
