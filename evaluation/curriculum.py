@@ -19,6 +19,7 @@ decision - slice, class, weight, groups - is recorded and generation follows it 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from typing import Any, Literal
@@ -132,7 +133,9 @@ def plan_generation(curriculum: dict[str, Any], groups: int, config: CurriculumC
     slice weights and group count generation runs with. Records `weight` and `groups` per slice."""
     config = config or CurriculumConfig()
     weight = {"unsolved": 1.0, "learnable": 1.0, "mastered": config.replay, "locked": 0.0}
-    cells = [(env, row) for env, spec in curriculum.items() for row in spec["slices"]]
+    per_env = [[(env, row) for row in spec["slices"]] for env, spec in curriculum.items()]
+    # Interleaved across envs, so a budget smaller than the slices spreads its ties over every env.
+    cells = [cell for rank in itertools.zip_longest(*per_env) for cell in rank if cell is not None]
     for _, row in cells:
         row["weight"] = weight[row["class"]]
     shares = largest_remainder([row["weight"] for _, row in cells], groups)

@@ -122,3 +122,9 @@ def test_unsolved_slices_get_teacher_demonstrations(tmp_path, tiny_model) -> Non
     assert got == {s: n for s, n in plan["teacher"]["mix"].items() if n}
     assert all(score >= 0.9 for g in groups for score in g["scores"]), [g["scores"] for g in groups]  # Solved.
     assert mined.metrics["slices_unsolved"] == 3 and mined.metrics["slices_locked"] == 6
+
+
+def test_a_small_budget_spreads_over_every_env() -> None:
+    families = {env: CATEGORIES for env in ("a", "b", "c", "d")}  # 12 unsolved easy slices, 8 groups.
+    plan = plan_generation(build_curriculum([], families), groups=8)
+    assert {env: part["teacher"]["groups"] for env, part in plan.items()} == {"a": 2, "b": 2, "c": 2, "d": 2}
