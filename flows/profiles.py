@@ -61,7 +61,10 @@ class RoundProfile(BaseModel):
         default="zero3", description="How SFT and GRPO shard across `gpus` > 1 (DeepSpeed ZeRO or FSDP)."
     )
     threads: int = Field(default=2, ge=1, description="CPU training: torch threads.")
-    sft_batch_size: int = Field(default=4, ge=1, description="SFT conversations per device per step.")
+    sft_batch_size: int = Field(default=4, ge=1, description="SFT conversations per device per micro-batch.")
+    sft_gradient_accumulation: int = Field(
+        default=1, ge=1, description="SFT micro-batches per step (a step sees batch size x this conversations)."
+    )
     rl_batch_size: int = Field(default=4, ge=1, description="GRPO completions per device per step.")
     rl_group_size: int = Field(default=2, ge=2, description="GRPO rollouts per task (the group).")
     rl_tasks: int = Field(default=16, ge=1, description="Distinct GRPO training tasks.")
@@ -115,6 +118,8 @@ PROFILES: dict[str, RoundProfile] = {
     # its id and price) rather than arithmetic or 6+ tool calls, which it fails before and after.
     "default": RoundProfile(
         groups=32,
+        sft_batch_size=1,  # 4 conversations a step, one at a time: a quarter of the activation memory, no padding.
+        sft_gradient_accumulation=4,
         sft_steps=6,
         rl_screen=8,  # After SFT, GRPO trains on the tasks the policy solves only sometimes.
         rl_max_completion=384,
@@ -122,7 +127,16 @@ PROFILES: dict[str, RoundProfile] = {
         max_tokens=128,
     ),
     "quick": RoundProfile(
-        model="tiny", groups=8, sft_steps=4, sft_lr=1e-3, rl_steps=1, eval_size=3, max_tokens=48, lm_eval_size=6
+        model="tiny",
+        groups=8,
+        sft_steps=4,
+        sft_lr=1e-3,
+        sft_batch_size=1,
+        sft_gradient_accumulation=4,
+        rl_steps=1,
+        eval_size=3,
+        max_tokens=48,
+        lm_eval_size=6,
     ),
     # The smallest round that still runs every stage for real: tests and the overhead benchmark.
     "tiny": RoundProfile(

@@ -160,6 +160,7 @@ def sft_config(params: SFTParams) -> SFTRunConfig:
         total_steps=p.sft_steps,
         learning_rate=p.sft_lr,
         batch_size=p.sft_batch_size,
+        gradient_accumulation_steps=p.sft_gradient_accumulation,
         max_length=p.sft_max_length,
         output_name=f"sft-r{params.round_no}",
         **_hardware(p),

@@ -141,7 +141,8 @@ def run_sft(cfg: SFTRunConfig, store: ArtifactStore, callbacks: list[Any] | None
     )
     stopped = train(trainer, resume_from(store, cfg, run))
     losses = [m["loss"] for m in run.read_metrics() if "loss" in m]
-    tokens = sum(len(ids) for ids in data["input_ids"]) * cfg.total_steps * cfg.batch_size // max(1, len(data))
+    per_step = cfg.batch_size * cfg.gradient_accumulation_steps
+    tokens = sum(len(ids) for ids in data["input_ids"]) * cfg.total_steps * per_step // max(1, len(data))
     return finish(
         store, trainer, run, cfg, model_dir, parents, started, stopped,
         first_loss=losses[0] if losses else None,
