@@ -2,7 +2,8 @@
 
 Inside `track_costs()`, every `ArtifactStore.put` adds `peak_rss_mb` to the artifact's metrics:
 the process's high-water mark (Linux `VmHWM`) since the block began, which resets it through
-`/proc/self/clear_refs`. Model servers run as their own processes and are not counted.
+`/proc/self/clear_refs`. Model servers, `accelerate launch` workers and vLLM engines are processes
+of their own and are not counted.
 """
 
 from __future__ import annotations
@@ -18,10 +19,14 @@ _STATUS, _CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
 
 @contextlib.contextmanager
 def track_costs() -> Iterator[None]:
-    """Measure peak memory from here: every artifact put inside records it."""
-    with contextlib.suppress(OSError):
+    """Measure peak memory from here: every artifact put inside records it (where the peak can be
+    reset; elsewhere nothing is recorded rather than the whole process's peak under the stage's name)."""
+    try:
         _CLEAR_REFS.write_text("5")  # Resets VmHWM to the current RSS.
-    token = _tracking.set(True)
+        reset = True
+    except OSError:
+        reset = False
+    token = _tracking.set(reset)
     try:
         yield
     finally:

@@ -31,6 +31,7 @@ class GenerationPart(BaseModel):
     api_key_env: str | None = Field(default=None, description="Environment variable holding its API key.")
     task_mix: dict[str, float] | None = Field(default=None, description="'category/difficulty' -> weight.")
     label: str = Field(default="", description="Names the part's file: `<env>[-<label>].jsonl`.")
+    seed: int | None = Field(default=None, description="Seed of its task stream (None: the generation's).")
     env_config: dict[str, Any] = Field(default_factory=dict, description="More env config (slice filters, caps).")
 
     @property
@@ -56,7 +57,8 @@ def generate_rollouts(
         per_part = {}
         for part in parts:
             out = Path(tmp, part.filename)
-            per_part[out.stem] = run_part(part, out, group_size=group_size, tokenizer=tokenizer, seed=seed)
+            part_seed = seed if part.seed is None else part.seed
+            per_part[out.stem] = run_part(part, out, group_size=group_size, tokenizer=tokenizer, seed=part_seed)
             files[out.name] = out
         stats = {
             key: sum(s[key] for s in per_part.values()) for key in ("groups_written", "groups_failed", "rollouts")

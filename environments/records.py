@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from environments.agent_loop import AgentResult, sanitize
@@ -22,11 +24,18 @@ def group_meta(item: Item, outcomes: list[tuple[AgentResult, float | None]]) -> 
     }
 
 
+def task_digest(item: Item) -> str:
+    """sha256 (12 hex) of the task as generated (prompt template, files, answer, oracle): two evals
+    pair an item only when it is the same task, not merely the same id of a changed task family."""
+    return hashlib.sha256(json.dumps(item, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
 def eval_sample(item: Item, result: AgentResult, reward: float | None) -> dict[str, Any]:
     """One line of samples.jsonl, `sanitize`d so that it encodes as UTF-8."""
     return sanitize(
         {
             "item_id": item.get("item_id"),
+            "task_digest": task_digest(item),
             "env": item.get("env"),
             "category": item.get("category"),
             "difficulty": item.get("difficulty"),

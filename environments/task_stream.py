@@ -38,8 +38,9 @@ class TaskStream:
         self.env = env
         self.make_task = make_task
         self.seed = seed
+        # Easiest first, categories interleaved: a held-out set of a few items covers every category's easy slice.
         self.slices = [
-            (c, d) for c in (only_categories or categories) for d in ((difficulty,) if difficulty else DIFFICULTIES)
+            (c, d) for d in ((difficulty,) if difficulty else DIFFICULTIES) for c in (only_categories or categories)
         ]
         mix = mix or {}
         self.weights = [max(0.0, mix.get(f"{c}/{d}", 1.0)) for c, d in self.slices]

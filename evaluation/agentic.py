@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from data import ArtifactNotFound, ArtifactStore, Manifest
+from data import ArtifactStore, Manifest
 from environments.registry import TASK_FAMILIES, categories_of, env_class
 from environments.sandbox import isolation_report
 from environments.servers import server_configs
@@ -84,13 +84,7 @@ def store_agentic_evalset(store: ArtifactStore, cfg: AgenticEvalConfig) -> Manif
         for name in cfg.envs
     }
     params = {"envs": cfg.envs, "eval_size": cfg.eval_size, "difficulty": cfg.difficulty, "categories": cfg.categories}
-    try:
-        existing = store.manifest("evalset/agentic")
-    except ArtifactNotFound:
-        existing = None
-    if existing is not None and existing.params == params:
-        return existing
-    return store.put("evalset", "agentic", files, params=params)
+    return store.put("evalset", "agentic", files, params=params)  # The same items: the same id (content-addressed).
 
 
 def run_agentic_eval(

@@ -37,7 +37,12 @@ class CurriculumConfig(BaseModel):
 
     low: float = Field(default=0.3, gt=0, lt=1, description="Unsolved: success upper bound under this.")
     high: float = Field(default=0.7, gt=0, lt=1, description="Mastered: success lower bound over this.")
-    z: float = Field(default=1.96, gt=0, description="Wilson interval width (1.96: 95 %).")
+    z: float = Field(
+        default=1.96,
+        gt=0,
+        description="Wilson interval width (1.96: 95 %; the CPU presets use 1.0, 68 %, as "
+        "they hold out about one item per slice).",
+    )
     replay: float = Field(default=0.1, ge=0, description="Generation weight of a mastered slice (against forgetting).")
 
 
@@ -69,33 +74,40 @@ def build_curriculum(
     `difficulty`: a profile that fixes one difficulty gets only that one, always unlocked.
     """
     config = config or CurriculumConfig()
-    counts: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
-    for row in outcomes:
-        for key in _levels(row["source"], row["category"], row["difficulty"]):
-            counts[key][0] += bool(row["success"])
-            counts[key][1] += 1
     curriculum: dict[str, Any] = {}
     for env, categories in families.items():
         levels = (difficulty,) if difficulty else DIFFICULTIES
         before = set((previous or {}).get(env, {}).get("unlocked", []))
-        rows, unlocked = [], set(before)
+        opened = before | {f"{c}/{levels[0]}" for c in categories}
+        counts = _counts([row for row in outcomes if row["source"] == env], opened)
+        rows, unlocked = [], set(opened)
         for category in categories:  # Easiest first: a slice mastered now unlocks the next one at once.
             for level, harder in zip(levels, (*levels[1:], None), strict=True):
                 name = f"{category}/{level}"
-                if level == levels[0]:
-                    unlocked.add(name)
                 row = _classify(env, category, level, counts, config) | {"slice": name}
                 if name not in unlocked:
-                    row["class"] = "locked"
+                    row |= {"class": "locked", "evidence": "locked"}
                 rows.append(row)
                 if row["class"] == "mastered" and harder:
                     unlocked.add(f"{category}/{harder}")
         curriculum[env] = {
             "slices": rows,
             "unlocked": sorted(unlocked),
-            "newly_unlocked": sorted(unlocked - before - {f"{c}/{levels[0]}" for c in categories}),
+            "newly_unlocked": sorted(unlocked - opened),
         }
     return curriculum
+
+
+def _counts(rows: list[dict[str, Any]], opened: set[str]) -> dict[tuple[str, str, str], list[int]]:
+    """[wins, n] per evidence level; the parent levels count only slices open before this round, so a
+    locked harder slice (never trained) cannot drag an easier one's parent evidence."""
+    counts: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for row in rows:
+        own, *parents = _levels(row["source"], row["category"], row["difficulty"])
+        for key in [own] + (parents if f"{row['category']}/{row['difficulty']}" in opened else []):
+            counts[key][0] += bool(row["success"])
+            counts[key][1] += 1
+    return counts
 
 
 def _levels(env: str, category: str, difficulty: str) -> list[tuple[str, str, str]]:
@@ -153,19 +165,20 @@ def plan_generation(curriculum: dict[str, Any], groups: int, config: CurriculumC
     return dict(plan)
 
 
-def rl_mix(curriculum: dict[str, Any], config: CurriculumConfig | None = None) -> dict[str, dict[str, float]]:
-    """Per env, GRPO task weights: learnability p(1 - p) of each unlocked, unmastered slice (p: the
-    Wilson centre, so a slice never seen still counts); all mastered -> uniform over the unlocked."""
+def grpo_mix(curriculum: dict[str, Any], config: CurriculumConfig | None = None) -> dict[str, dict[str, float]]:
+    """Per env, GRPO task weights: learnability p(1 - p) of each learnable slice (p: the Wilson
+    centre). An env with none learnable trains alike on its unsolved slices (which SFT has just been
+    shown), and one with only mastered slices alike on all it has unlocked."""
     config = config or CurriculumConfig()
     mix: dict[str, dict[str, float]] = {}
     for env, spec in curriculum.items():
         weights = {}
         for row in spec["slices"]:
             p = sum(wilson(row["wins"], row["n"], config.z)) / 2
-            active = row["class"] in ("unsolved", "learnable")
-            weights[row["slice"]] = round(p * (1 - p), 4) if active else 0.0
-        if not any(weights.values()):
-            weights = {row["slice"]: float(row["class"] != "locked") for row in spec["slices"]}
+            weights[row["slice"]] = round(p * (1 - p), 4) if row["class"] == "learnable" else 0.0
+        for fallback in ("unsolved", "mastered"):
+            if not any(weights.values()):
+                weights = {row["slice"]: float(row["class"] == fallback) for row in spec["slices"]}
         mix[env] = weights
     return mix
 

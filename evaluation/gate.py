@@ -40,15 +40,21 @@ def paired_outcomes(store: ArtifactStore, eval_ref: str) -> dict[str, dict[str, 
                 groups["primary"][key] = value
                 groups[f"env/{sample['env']}"][key] = value
             else:
-                groups[f"task/{sample['task']}"][str(sample["doc_id"])] = float(bool(sample["success"]))
+                groups[f"task/{sample['task']}"][_doc_key(sample)] = float(bool(sample["success"]))
     return groups
 
 
 def _item_key(sample: dict[str, Any]) -> str:
-    """`env:item_id#<task digest>`: the digest of the task as the model saw it (system prompt with its
-    tools, user prompt), so an item whose task changed between two evals is not the same item."""
-    seen = json.dumps((sample.get("messages") or [])[:2], sort_keys=True)
-    return f"{sample['env']}:{sample['item_id']}#{hashlib.sha256(seen.encode()).hexdigest()[:12]}"
+    """`env:item_id#task_digest`: an item whose task changed between two evals (a changed task family)
+    is not the same item. Samples from before digests were recorded pair by id alone."""
+    digest = sample.get("task_digest")
+    return f"{sample['env']}:{sample['item_id']}" + (f"#{digest}" if digest else "")
+
+
+def _doc_key(sample: dict[str, Any]) -> str:
+    """`doc_id#digest(prompt, target)`: a changed lm-eval task (suite version, size) pairs no document."""
+    seen = json.dumps([sample.get("prompt"), sample.get("target")], sort_keys=True, default=str)
+    return f"{sample['doc_id']}#{hashlib.sha256(seen.encode()).hexdigest()[:12]}"
 
 
 def decide(
@@ -71,6 +77,7 @@ def decide(
             delta = sum(candidate[group][k] - champion[group][k] for k in keys) / len(keys)
             guards[group] = {"delta": round(delta, 4), "n": len(keys), "regressed": delta < -config.tolerance}
     regressed = [g for g, v in guards.items() if v["regressed"]]
+    unguarded = sorted((set(candidate) | set(champion)) - set(guards) - {"primary"})  # No shared item: no guard.
     promote = mean > 0 and p_better >= config.confidence and not regressed
     if promote:
         reason = f"primary +{mean:.3f} (P(better)={p_better:.2f}), no guard dropped more than {config.tolerance}"
@@ -78,6 +85,8 @@ def decide(
         reason = f"guarded metrics regressed beyond {config.tolerance}: {', '.join(regressed)}"
     else:
         reason = f"primary change {mean:+.3f} with P(better)={p_better:.2f} < {config.confidence}"
+    if unguarded:
+        reason += f"; not guarded (no shared items): {', '.join(unguarded)}"
     return {
         "promote": promote,
         "reason": reason,
@@ -85,6 +94,7 @@ def decide(
         "p_better": round(p_better, 4),
         "n_shared": len(shared),
         "guards": guards,
+        "unguarded": unguarded,
     }
 
 
@@ -95,14 +105,17 @@ def gate(
     config: GateConfig | None = None,
     name: str = "gate",
     champion_evals: list[str] | None = None,
+    champion: str | None = None,
 ) -> Manifest:
     """Compare with the champion's evals (first round: promote), record the decision, move `champion`.
 
-    `champion_evals`: the champion judged on the candidate's items (see `shares_items`); None
-    compares with the evals recorded when the champion was promoted.
+    `champion`: the model the candidate must beat (None: whatever `champion` points at now);
+    `champion_evals`: its evals on the candidate's items (None: those recorded when it was promoted).
+    `champion` moves by compare-and-swap from that model before the decision is stored, so a gate
+    that loses a race records a refusal; a re-run finding the candidate already champion keeps it.
     """
     candidate = _merge(store, candidate_evals)
-    champion_model = store.try_resolve("champion")
+    champion_model = store.resolve(champion) if champion else store.try_resolve("champion")
     if champion_evals is None:
         champion_evals = recorded_evals(store, champion_model) if champion_model else []
     else:
@@ -113,7 +126,7 @@ def gate(
         decision = decide(candidate, _merge(store, champion_evals), config)
     candidate_id = store.resolve(candidate_model)
     candidate_eval_ids = [store.resolve(r) for r in candidate_evals]
-    if decision["promote"]:  # Move `champion` first: a lost race must not leave a record of a promotion.
+    if decision["promote"] and store.try_resolve("champion") != candidate_id:
         try:
             store.set_ref("champion", candidate_id, expected=champion_model)
         except RefConflict:

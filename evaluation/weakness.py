@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from data import ArtifactStore, Manifest
-from evaluation.curriculum import CurriculumConfig, build_curriculum, plan_generation, rl_mix, wilson
+from evaluation.curriculum import CurriculumConfig, build_curriculum, grpo_mix, plan_generation, wilson
 
 
 class MiningConfig(BaseModel):
@@ -125,7 +125,7 @@ def mine_to_store(
         spec = curriculum
         slices = build_curriculum(samples, spec.families, spec.config, last, spec.difficulty)
         plan = {"slices": slices, "generate": plan_generation(slices, spec.groups, spec.config)}
-        plan["rl"] = rl_mix(slices, spec.config)
+        plan["rl"] = grpo_mix(slices, spec.config)
         files["curriculum.json"] = json.dumps(plan, indent=2)
         classes = Counter(row["class"] for env in slices.values() for row in env["slices"])
         metrics |= {f"slices_{cls}": classes.get(cls, 0) for cls in ("unsolved", "learnable", "mastered", "locked")}

@@ -9,13 +9,15 @@ what already finished.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from prefect import flow, get_run_logger
 
 from data import ArtifactStore, StoreError, lineage
+from evaluation.curriculum import grpo_mix, plan_generation
 from evaluation.gate import recorded_evals, shares_items
 from evaluation.lm_eval_runner import model_ref_of
 from flows import work
@@ -81,23 +83,27 @@ def run_round(store: ArtifactStore, n: int, p: RoundProfile, stage: StageCall) -
         stage("gate", round_no=0, evals=judge(0, start, "base"), candidate=start)
     if n == 1 and store.try_resolve("weaknesses/weaknesses-r0") is None:  # Round 1's curriculum.
         stage("mine", round_no=0, evals=store.read_json("gate/gate-r0", "decision.json")["candidate_evals"])
-    base, curriculum, previous = round_inputs(store, n, p)
-    plan, rl_mix = (curriculum or {}).get("generate"), (curriculum or {}).get("rl")
-    rollouts = stage("generate", round_no=n, tokenizer_model=base, plan=plan)
+    start = round_inputs(store, n, p)
+    plan, rl_mix = None, None
+    if start.curriculum is not None:  # Planned with this profile's budget and thresholds.
+        slices = copy.deepcopy(start.curriculum["slices"])
+        plan = plan_generation(slices, p.groups, p.curriculum_config)
+        rl_mix = grpo_mix(slices, p.curriculum_config)
+    rollouts = stage("generate", round_no=n, tokenizer_model=start.base, plan=plan)
     dataset = stage("curate", round_no=n, rollouts=rollouts)
-    sft_ckpt = stage("sft", round_no=n, base=base, dataset=dataset)
+    sft_ckpt = stage("sft", round_no=n, base=start.base, dataset=dataset)
     rl_ckpt = stage("rl", round_no=n, policy=sft_ckpt, task_mix=rl_mix)
     evals = judge(n, rl_ckpt, f"r{n}")
-    champion, rejudged = store.try_resolve("champion"), None
-    if champion and not shares_items(store, evals, recorded_evals(store, champion)):
+    champion_evals = start.base_evals
+    if not shares_items(store, evals, champion_evals):
         logger.info("round %d: the champion's evals share no item with the candidate's: judging it again", n)
-        rejudged = judge(n, champion, f"champion-r{n}")
-    decision_id = stage("gate", round_no=n, evals=evals, candidate=rl_ckpt, champion_evals=rejudged)
+        champion_evals = judge(n, start.base, f"champion-r{n}")
+    decision_id = stage(
+        "gate", round_no=n, evals=evals, candidate=rl_ckpt, champion=start.base, champion_evals=champion_evals
+    )
     decision = store.read_json(decision_id, "decision.json")
     # The next curriculum follows the model the next round starts from.
-    kept = rejudged or (recorded_evals(store, champion) if champion else [])
-    mined = evals if decision["promote"] or not kept else kept
-    stage("mine", round_no=n, evals=mined, previous=previous)
+    stage("mine", round_no=n, evals=evals if decision["promote"] else champion_evals, previous=start.weaknesses)
     return stage("report", round_no=n, refs=round_refs(store, n)), decision
 
 
@@ -123,9 +129,17 @@ def round_refs(store: ArtifactStore, n: int) -> list[str]:
     return [*inputs, decision["candidate"], *decision["candidate_evals"], *mined, gate_id]
 
 
-def round_inputs(store: ArtifactStore, n: int, p: RoundProfile) -> tuple[str, dict[str, Any] | None, str | None]:
-    """Round n's base model (the champion after round n-1), its curriculum (mined in round n-1; None
-    when the profile's is uniform) and the id of the weaknesses artifact it came from."""
+class RoundInputs(NamedTuple):
+    """What round n starts from, all read from round n-1's artifacts (so a re-run reads the same)."""
+
+    base: str  # The champion after round n-1.
+    base_evals: list[str]  # Its evals, as mined in round n-1: the bar the candidate must clear.
+    weaknesses: str | None  # Round n-1's weaknesses artifact.
+    curriculum: dict[str, Any] | None  # Its curriculum.json (None: none, or the profile's is uniform).
+
+
+def round_inputs(store: ArtifactStore, n: int, p: RoundProfile) -> RoundInputs:
+    """Round n's inputs from round n-1's gate decision and weaknesses artifact."""
     if n == 1:
         gate_id, weaknesses = store.resolve("gate/gate-r0"), store.try_resolve("weaknesses/weaknesses-r0")
     else:
@@ -142,10 +156,15 @@ def round_inputs(store: ArtifactStore, n: int, p: RoundProfile) -> tuple[str, di
             f"the champion in {store.url} does not descend from model/{p.model}: "
             "use a separate --store for each base model"
         )
+    mined = store.manifest(weaknesses) if weaknesses else None
+    if mined is not None:
+        base_evals = [ref for ref in mined.parents if store.manifest(ref).kind == "eval"]
+    else:  # A store from before rounds were mined: the evals the gate recorded.
+        base_evals = decision["candidate_evals"] if decision["promote"] else recorded_evals(store, base)
     curriculum = None
-    if weaknesses and p.curriculum == "mined" and "curriculum.json" in store.manifest(weaknesses).files:
-        curriculum = store.read_json(weaknesses, "curriculum.json")
-    return base, curriculum, weaknesses
+    if mined is not None and p.curriculum == "mined" and "curriculum.json" in mined.files:
+        curriculum = store.read_json(mined.id, "curriculum.json")
+    return RoundInputs(base, base_evals, weaknesses, curriculum)
 
 
 @flow(name="eval", flow_run_name="eval-{model}")

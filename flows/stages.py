@@ -43,17 +43,19 @@ from flows.work import (
 POOLS = {"gpu": "h100", "cpu": "cpu"}  # The work pools of prefect.yaml and `flywheel infra setup`.
 
 
-def stage_flow(name: str) -> Callable[[Callable[..., str]], Any]:
+def stage_flow(name: str, costed: bool = True) -> Callable[[Callable[..., str]], Any]:
     """The stage decorator: run name `<stage>-r<round>`, result persisted (`run_deployment` reads it),
-    and the stage's peak memory in its artifacts' metrics (`track_costs`), wherever it runs."""
+    and (`costed`) the stage's peak memory in its artifacts' metrics, wherever it runs. Stages whose
+    artifacts are a pure function of their inputs (curate, gate, mine, report) record none, so their
+    content ids, and every cache and resume key downstream, stay reproducible."""
 
     def decorate(fn: Callable[..., str]) -> Any:
         @functools.wraps(fn)
-        def costed(params: Any) -> str:
-            with track_costs():
+        def run(params: Any) -> str:
+            with track_costs() if costed else contextlib.nullcontext():
                 return fn(params)
 
-        return flow(name=name, flow_run_name=stage_run_name(name), persist_result=True)(costed)
+        return flow(name=name, flow_run_name=stage_run_name(name), persist_result=True)(run)
 
     return decorate
 
@@ -70,13 +72,13 @@ def gpu_slots(profile: RoundProfile) -> Iterator[None]:
 
 @stage_flow("generate")
 def generate(params: GenerateParams) -> str:
-    """Rollouts in `process` mode by the profile's teacher, steered by the last round's task mix."""
+    """Rollouts in `process` mode as the curriculum plans: the teacher on unsolved slices, the policy on learnable."""
     manifest = work.generate(params)
     metrics_table(manifest, "rollout-stats", f"Rollout statistics, round {params.round_no}")
     return manifest.id
 
 
-@stage_flow("curate")
+@stage_flow("curate", costed=False)
 def curate(params: CurateParams) -> str:
     """Rollouts -> SFT set and preference pairs, with their data cards."""
     manifest = work.curate(params)
@@ -123,7 +125,7 @@ def lm_eval(params: LMEvalParams) -> str:
     return manifest.id
 
 
-@stage_flow("gate")
+@stage_flow("gate", costed=False)
 def promote(params: GateParams) -> str:
     """Promote the candidate to `champion` only when it wins (paired bootstrap + guards)."""
     manifest = work.promote(params)
@@ -138,7 +140,7 @@ def promote(params: GateParams) -> str:
     return manifest.id
 
 
-@stage_flow("mine")
+@stage_flow("mine", costed=False)
 def mine(params: MineParams) -> str:
     """Failure slices with confidence intervals -> the next round's curriculum (both shown in the UI)."""
     manifest = work.mine(params)
@@ -156,7 +158,7 @@ def mine(params: MineParams) -> str:
     return manifest.id
 
 
-@stage_flow("report")
+@stage_flow("report", costed=False)
 def report(params: ReportParams) -> str:
     """The round's HTML report; its markdown summary also goes to the UI."""
     manifest = work.report(params)

@@ -29,6 +29,7 @@ from training.registry import run_training
 from training.sft import SFTRunConfig
 
 logger = logging.getLogger(__name__)
+SEED_OFFSETS = {"teacher": 0, "policy": 500_000}  # Training streams; held-out items use eval_seed 1,000,000.
 
 
 class StageParams(BaseModel):
@@ -77,8 +78,9 @@ class LMEvalParams(EvaluateParams):
 class GateParams(StageParams):
     evals: list[str] = Field(description="Eval artifact ids of the candidate.")
     candidate: str = Field(description="Candidate model artifact id.")
+    champion: str | None = Field(default=None, description="The model to beat (None: the `champion` ref now).")
     champion_evals: list[str] | None = Field(
-        default=None, description="The champion judged on the candidate's items (None: its recorded evals)."
+        default=None, description="That model's evals on the candidate's items (None: those recorded at its promotion)."
     )
 
 
@@ -96,7 +98,7 @@ def generate(params: GenerateParams) -> Manifest:
     mastered) slices, the round's base model, served, on learnable ones; no plan: the teacher on all."""
     p, store = params.profile, params.store()
     model_dir = resolve_model(params.tokenizer_model, store)
-    plan = params.plan or uniform_plan(p)
+    plan = uniform_plan(p) if params.plan is None else params.plan
     with contextlib.ExitStack() as stack:
         served: dict[str, Any] = {}
 
@@ -120,6 +122,7 @@ def generate(params: GenerateParams) -> Manifest:
                     parts.append(
                         GenerationPart(
                             env=env, groups=part["groups"], task_mix=part.get("mix"), label=source,
+                            seed=params.round_no + SEED_OFFSETS[source],  # Distinct item ids per part.
                             env_config=_env_slice(p, env) | _turn_caps(p, source), **actor(source),
                         )
                     )  # fmt: skip
@@ -273,7 +276,9 @@ def lm_eval_config(params: LMEvalParams) -> LMEvalConfig:
 def promote(params: GateParams) -> Manifest:
     """Promote the candidate to `champion` only when it wins (paired bootstrap + guards)."""
     store, name = params.store(), f"gate-r{params.round_no}"
-    return gate(store, params.evals, params.candidate, name=name, champion_evals=params.champion_evals)
+    return gate(
+        store, params.evals, params.candidate, name=name, champion_evals=params.champion_evals, champion=params.champion
+    )
 
 
 def mine(params: MineParams) -> Manifest:

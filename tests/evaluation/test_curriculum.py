@@ -12,7 +12,7 @@ from environments.generate import GenerationPart, generate_rollouts
 from environments.task_stream import TaskStream
 from environments.tasks import tool_use_chain_tasks
 from evaluation import curriculum as curriculum_module
-from evaluation.curriculum import CurriculumConfig, build_curriculum, plan_generation, rl_mix
+from evaluation.curriculum import CurriculumConfig, build_curriculum, grpo_mix, plan_generation
 from evaluation.weakness import CurriculumSpec, mine_to_store
 
 CATEGORIES = tool_use_chain_tasks.CATEGORIES  # todo_report, line_count, csv_summary
@@ -49,11 +49,12 @@ def test_slices_are_classed_by_their_intervals_and_mastery_unlocks_the_next_diff
 
 
 def test_thin_evidence_climbs_to_the_env_and_says_so() -> None:
-    # One item per slice: no slice is decisive alone, the env's 0 of 12 is.
-    script = {(c, d): (0, 1) for c in CATEGORIES for d in ("easy", "medium", "hard")}
-    script[("todo_report", "easy")] = (0, 4)
+    # One item of todo_report/easy is not decisive alone; the env's 0 of 13 easy items is.
+    script = {("todo_report", "easy"): (0, 1), ("line_count", "easy"): (0, 6), ("csv_summary", "easy"): (0, 6)}
+    script[("csv_summary", "hard")] = (5, 5)  # Locked: never counts for its parents.
     row = build_curriculum(outcomes(script), FAMILIES)["tool_use_chain"]["slices"][0]
-    assert row["class"] == "unsolved" and row["evidence"] == "tool_use_chain/*/*"
+    assert row["slice"] == "todo_report/easy" and row["class"] == "unsolved"
+    assert row["evidence"] == "tool_use_chain/*/easy"
     # Mixed results everywhere: nothing decisive at any level -> learnable, "undecided".
     mixed = {(c, "easy"): (1, 2) for c in CATEGORIES}
     row = build_curriculum(outcomes(mixed), FAMILIES)["tool_use_chain"]["slices"][0]
@@ -94,11 +95,13 @@ def test_the_generation_plan_routes_classes_to_actors_and_generation_follows_it_
 
 def test_grpo_weights_learnable_slices_by_p_times_one_minus_p() -> None:
     script = {("todo_report", "easy"): (0, 12), ("line_count", "easy"): (6, 12), ("csv_summary", "easy"): (12, 12)}
-    mix = rl_mix(build_curriculum(outcomes(script), FAMILIES))["tool_use_chain"]
-    assert mix["line_count/easy"] > mix["todo_report/easy"] > 0  # p ~ 0.5 beats p ~ 0.1.
-    assert mix["csv_summary/easy"] == 0 and mix["todo_report/hard"] == 0  # Mastered, locked.
+    mix = grpo_mix(build_curriculum(outcomes(script), FAMILIES))["tool_use_chain"]
+    assert mix["line_count/easy"] == 0.25  # p = 0.5: the most to learn.
+    assert mix["todo_report/easy"] == mix["csv_summary/easy"] == mix["todo_report/hard"] == 0  # Not learnable.
+    nothing_learnable = grpo_mix(build_curriculum(outcomes({("todo_report", "easy"): (0, 12)}), FAMILIES))
+    assert {s for s, w in nothing_learnable["tool_use_chain"].items() if w} == {f"{c}/easy" for c in CATEGORIES}
     everything_mastered = {(c, d): (12, 12) for c in CATEGORIES for d in ("easy", "medium", "hard")}
-    uniform = rl_mix(build_curriculum(outcomes(everything_mastered), FAMILIES))["tool_use_chain"]
+    uniform = grpo_mix(build_curriculum(outcomes(everything_mastered), FAMILIES))["tool_use_chain"]
     assert set(uniform.values()) == {1.0}  # Nothing left to learn: every unlocked slice alike.
 
 

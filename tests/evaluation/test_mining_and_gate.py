@@ -193,14 +193,14 @@ def test_an_item_whose_task_changed_is_not_the_same_item(store: ArtifactStore) -
     """Same ids, new task content (a task family changed between rounds): the champion is judged again."""
     from evaluation.gate import shares_items
 
-    def with_prompt(rows: list[dict], tools: str) -> list[dict]:
-        return [{**r, "messages": [{"role": "system", "content": tools}, *r["messages"]]} for r in rows]
+    def with_prompt(rows: list[dict], task: str) -> list[dict]:
+        return [{**r, "task_digest": task} for r in rows]  # What eval samples record (environments/records.py).
 
     def stored(name: str, rows: list[dict]) -> str:
         return store.put("eval", name, {"samples/tool_use_chain.jsonl": _jsonl(rows)}).id
 
     rows = _samples({KEY: 0.5}, n=10)
-    before = stored("agentic", with_prompt(rows, "read_file(path)"))
-    same = stored("agentic-again", with_prompt(rows, "read_file(path)"))
-    after = stored("agentic-typed", with_prompt(rows, "read_file(path, max_lines: integer)"))
+    before = stored("agentic", with_prompt(rows, "a1b2c3"))
+    same = stored("agentic-again", with_prompt(rows, "a1b2c3"))
+    after = stored("agentic-typed", with_prompt(rows, "d4e5f6"))
     assert shares_items(store, [same], [before]) and not shares_items(store, [after], [before])
