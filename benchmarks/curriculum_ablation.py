@@ -17,12 +17,10 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from data import ArtifactStore
-from flows.flywheel import completed_rounds, run_round
+from flows.flywheel import completed_rounds, plain_stage, run_round
 from flows.profiles import PROFILES, RoundProfile
-from flows.stages import STAGES
 
 
 def weak_slices(store: ArtifactStore) -> set[str]:
@@ -55,12 +53,7 @@ def run_arm(source: Path, workdir: Path, p: RoundProfile) -> tuple[ArtifactStore
     copy = workdir / p.curriculum
     shutil.copytree(source, copy)
     store = ArtifactStore(copy)
-    common = {"store_url": store.root_url, "profile": p}
-
-    def stage(name: str, /, **fields: Any) -> str:
-        return STAGES[name].work(STAGES[name].params(**common, **fields)).id
-
-    run_round(store, 2, p, stage)
+    run_round(store, 2, p, plain_stage(store, p))
     return store, store.resolve("eval/agentic-r2")
 
 

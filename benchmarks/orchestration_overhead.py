@@ -27,16 +27,10 @@ from flows.profiles import PROFILES, RoundProfile
 def plain_round(store_url: str, p: RoundProfile) -> str:
     """Round 1 (and round 0 before it) through `run_round`, each stage its library calls, no orchestration."""
     from data import ArtifactStore
-    from flows.flywheel import run_round
-    from flows.stages import STAGES
+    from flows.flywheel import plain_stage, run_round
 
     store = ArtifactStore(store_url)
-    common = {"store_url": store.root_url, "profile": p}
-
-    def stage(name: str, /, **fields: object) -> str:
-        return STAGES[name].work(STAGES[name].params(**common, **fields)).id
-
-    return run_round(store, 1, p, stage)[0]
+    return run_round(store, 1, p, plain_stage(store, p))[0]
 
 
 def timed(fn, *args, **kwargs) -> float:

@@ -68,6 +68,15 @@ StageCall = Callable[..., str]
 """`stage(name, /, **fields) -> artifact id`: runs stage `name` with its params built from `fields`."""
 
 
+def plain_stage(store: ArtifactStore, p: RoundProfile) -> StageCall:
+    """Stages as their plain library calls, no Prefect and no cache (the benchmarks' rounds)."""
+
+    def stage(name: str, /, **fields: Any) -> str:
+        return STAGES[name].work(STAGES[name].params(store_url=store.root_url, profile=p, **fields)).id
+
+    return stage
+
+
 def run_round(store: ArtifactStore, n: int, p: RoundProfile, stage: StageCall) -> tuple[str, dict[str, Any]]:
     """Round n's stages in order (round 0's first: judge and mine the starting model); the report's id
     and the gate's decision. The one round body: the flow passes cached Prefect stages, the overhead
