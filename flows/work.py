@@ -259,7 +259,8 @@ def lm_eval(params: LMEvalParams) -> Manifest:
 
 
 def lm_eval_config(params: LMEvalParams) -> LMEvalConfig:
-    """The lm-eval stage's config (pure: `flywheel plan` shows it)."""
+    """The lm-eval stage's config (pure: `flywheel plan` shows it). One GPU: the suites are small, and
+    tensor parallelism over 8 would not divide most small models' attention heads."""
     p = params.profile
     cuda = DeviceSettings.for_device(p.device).server_backend == "vllm"
     return LMEvalConfig(
@@ -268,7 +269,6 @@ def lm_eval_config(params: LMEvalParams) -> LMEvalConfig:
         include_path=p.lm_eval_include_path,
         suite_size=p.lm_eval_size,
         limit=p.lm_eval_limit,
-        tensor_parallel_size=max(1, p.gpus) if cuda else 1,
         name=params.name,
     )
 
