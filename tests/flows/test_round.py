@@ -1,6 +1,6 @@
-"""A flywheel round through the Prefect flow (local dispatch): every stage leaves its artifacts, a finished
-round run again recomputes nothing, and a round killed with SIGKILL in SFT resumes without recomputing
-what finished, to the same result (one test: the uninterrupted round is shared)."""
+"""A flywheel round through the Prefect flow (local dispatch), killed with SIGKILL in SFT: the re-run
+recomputes nothing that finished, leaves every stage's artifacts and a report, and runs again
+recomputing nothing at all; the resumed SFT equals the same SFT run uninterrupted."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 from data import ArtifactStore, lineage
+from flows import work
+from flows.profiles import PROFILES
 from tests.flows.conftest import flow_runs, task_runs
 from tests.flows.test_cli import FLYWHEEL
 
@@ -21,32 +23,12 @@ def round_command(store: Path) -> list[str]:
     return [FLYWHEEL, "--store", str(store), "round", "--profile", "tiny"]
 
 
-def test_a_round_killed_in_sft_resumes_without_recomputing(prefect_server: dict[str, str], tmp_path: Path) -> None:
+def test_a_round_killed_in_sft_resumes_without_recomputing(
+    prefect_server: dict[str, str], tmp_path: Path, monkeypatch
+) -> None:
     env = {**prefect_server, "FLYWHEEL_CACHE": str(tmp_path / "cache"), "COLUMNS": "200"}
 
-    # An uninterrupted round: every stage, every artifact, the report.
-    whole = tmp_path / "whole"
-    done = subprocess.run(round_command(whole), env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "report:" in done.stdout and "Promotion gate" in done.stdout
-    assert "Next round's curriculum" in done.stdout and "Peak resident memory of the round" in done.stdout
-    assert "lm-eval task" in done.stdout and "task/flywheel_tool_call" in done.stdout  # Results and their guard.
-    store_a = ArtifactStore(whole)
-    assert {"model", "rollouts", "dataset", "checkpoint", "eval", "gate", "weaknesses", "report"} <= {
-        m.kind for m in store_a.list()
-    }
-    walked = {m.kind for m in lineage(store_a, "report/round-1").walk()}
-    assert {"eval", "checkpoint", "dataset", "rollouts", "model"} <= walked  # report <- ... <- base model
-    assert store_a.resolve("champion") and store_a.verify() == []
-
-    # Round 1 again on a store that has it: nothing recomputes (the no-change re-run).
-    before = {m.id for m in store_a.list()}
-    again_a = subprocess.run([*round_command(whole), "--first-round", "1"], env=env, capture_output=True, text=True,
-                             timeout=600)  # fmt: skip
-    assert again_a.returncode == 0, again_a.stderr[-3000:]
-    assert {m.id for m in store_a.list()} == before
-
-    # The same round, killed with SIGKILL while SFT runs.
+    # A round, killed with SIGKILL while SFT runs.
     killed = tmp_path / "killed"
     process = subprocess.Popen(
         round_command(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
@@ -57,11 +39,11 @@ def test_a_round_killed_in_sft_resumes_without_recomputing(prefect_server: dict[
         time.sleep(0.1)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-    store_b = ArtifactStore(killed)
-    assert store_b.try_resolve("checkpoint/sft-r1") is None, "SFT finished before the kill"
-    assert store_b.try_resolve("dataset/round1-sft") is not None
+    store = ArtifactStore(killed)
+    assert store.try_resolve("checkpoint/sft-r1") is None, "SFT finished before the kill"
+    assert store.try_resolve("dataset/round1-sft") is not None
 
-    # Re-run: generate and curate come from the cache; SFT onwards runs.
+    # Re-run: round 0, generate and curate come from the cache; SFT onwards runs, to the report.
     again = subprocess.run(round_command(killed), env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     rerun = max(
@@ -72,16 +54,35 @@ def test_a_round_killed_in_sft_resumes_without_recomputing(prefect_server: dict[
     assert states["generate-r1"] == states["curate-r1"] == "Cached", states
     assert "evaluate-r0" not in states and "gate-r0" not in states  # The base model's verdict is read from the store.
     assert states["sft-r1"] == states["rl-r1"] == states["report-r1"] == "Completed", states
-    assert len(store_b.list("rollouts")) == 1  # Generated once, across both runs.
-    assert len([m for m in store_b.list("dataset") if m.name == "round1-sft"]) == 1
+    assert len(store.list("rollouts")) == 1  # Generated once, across both runs.
+    assert len([m for m in store.list("dataset") if m.name == "round1-sft"]) == 1
 
-    # ... to the same result as the uninterrupted round.
-    def digest(store: ArtifactStore, ref: str, path: str) -> str:
-        return store.manifest(ref).files[path].sha256
+    # Every stage's artifacts, the report and its lineage down to the base model.
+    assert "report:" in again.stdout and "Promotion gate" in again.stdout
+    assert "Next round's curriculum" in again.stdout and "Peak resident memory of the round" in again.stdout
+    assert "lm-eval task" in again.stdout and "task/flywheel_tool_call" in again.stdout  # Results and their guard.
+    assert {"model", "rollouts", "dataset", "checkpoint", "eval", "gate", "weaknesses", "report"} <= {
+        m.kind for m in store.list()
+    }
+    walked = {m.kind for m in lineage(store, "report/round-1").walk()}
+    assert {"eval", "checkpoint", "dataset", "rollouts", "model"} <= walked  # report <- ... <- base model
+    assert store.resolve("champion") and store.verify() == []
 
-    assert digest(store_a, "dataset/round1-sft", "train.jsonl") == digest(store_b, "dataset/round1-sft", "train.jsonl")
-    for ref in ("checkpoint/sft-r1", "checkpoint/rl-r1"):
-        assert digest(store_a, ref, WEIGHTS) == digest(store_b, ref, WEIGHTS), ref
-    untimed = {"wall_seconds": 0, "peak_rss_mb": 0}
-    for ref in ("eval/agentic-r1", "gate/gate-r1"):
-        assert store_a.manifest(ref).metrics | untimed == store_b.manifest(ref).metrics | untimed, ref
+    # Round 1 again on a store that has it: nothing recomputes (the no-change re-run).
+    before = {m.id for m in store.list()}
+    same = subprocess.run([*round_command(killed), "--first-round", "1"], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert {m.id for m in store.list()} == before
+
+    # The resumed SFT equals the same SFT uninterrupted (in a fresh store, from the same inputs).
+    monkeypatch.setenv("FLYWHEEL_CACHE", env["FLYWHEEL_CACHE"])
+    fresh = ArtifactStore(tmp_path / "fresh")
+    sft = store.manifest("checkpoint/sft-r1")
+    base, dataset = (store.manifest(ref) for ref in sft.parents[:2])
+    for manifest in (base, dataset):
+        fresh.put(manifest.kind, manifest.name, store.materialize(manifest.id, tmp_path / "copies" / manifest.kind),
+                  params=manifest.params, metrics=manifest.metrics)  # fmt: skip
+    params = work.SFTParams(store_url=fresh.root_url, profile=PROFILES["tiny"], base=base.id, dataset=dataset.id)
+    uninterrupted = work.sft(params)
+    assert uninterrupted.files[WEIGHTS].sha256 == sft.files[WEIGHTS].sha256
