@@ -79,10 +79,10 @@ def test_a_round_killed_in_sft_resumes_without_recomputing(
     monkeypatch.setenv("FLYWHEEL_CACHE", env["FLYWHEEL_CACHE"])
     fresh = ArtifactStore(tmp_path / "fresh")
     sft = store.manifest("checkpoint/sft-r1")
-    base, dataset = (store.manifest(ref) for ref in sft.parents[:2])
-    for manifest in (base, dataset):
-        fresh.put(manifest.kind, manifest.name, store.materialize(manifest.id, tmp_path / "copies" / manifest.kind),
-                  params=manifest.params, metrics=manifest.metrics)  # fmt: skip
+    base, dataset = (
+        fresh.put(m.kind, m.name, store.materialize(m.id, tmp_path / "copies"), params=m.params, metrics=m.metrics)
+        for m in (store.manifest(ref) for ref in sft.parents[:2])
+    )
     params = work.SFTParams(store_url=fresh.root_url, profile=PROFILES["tiny"], base=base.id, dataset=dataset.id)
     uninterrupted = work.sft(params)
     assert uninterrupted.files[WEIGHTS].sha256 == sft.files[WEIGHTS].sha256
