@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from data import ArtifactStore, Manifest
+from evaluation.weakness import stored_curriculum
 
 
 def _plots(out: Path, history: dict[str, list[float]], rewards: list[float], slices: list[dict[str, Any]]) -> list[str]:
@@ -78,7 +79,7 @@ def build_report(store: ArtifactStore, refs: list[str], name: str = "round") -> 
                 rewards.extend(json.loads(line).get("scores", []))
     mined = by_kind.get("weaknesses", [None])[0]
     weak = store.read_json(mined.id, "weaknesses.json") if mined else {}
-    curriculum = store.read_json(mined.id, "curriculum.json") if mined and "curriculum.json" in mined.files else {}
+    curriculum = (stored_curriculum(store, mined.id) if mined else None) or {}
     slices = weak.get("slices", [])
     gate = store.read_json(by_kind["gate"][0].id, "decision.json") if "gate" in by_kind else None
     history = _success_history(store)

@@ -121,11 +121,10 @@ def mine_to_store(
     files = {"weaknesses.json": json.dumps(result, indent=2)}
     metrics: dict[str, Any] = {"weak_slices": len(result["weak"]), "samples": len(samples)}
     if curriculum is not None:
-        last = store.read_json(previous, "curriculum.json")["slices"] if previous and _has(store, previous) else None
-        spec = curriculum
-        slices = build_curriculum(samples, spec.families, spec.config, last, spec.difficulty)
-        plan = {"slices": slices, "generate": plan_generation(slices, spec.groups, spec.config)}
-        plan["rl"] = grpo_mix(slices, spec.config)
+        last = (stored_curriculum(store, previous) or {}).get("slices") if previous else None
+        slices = build_curriculum(samples, curriculum.families, curriculum.config, last, curriculum.difficulty)
+        plan = {"slices": slices, "generate": plan_generation(slices, curriculum.groups, curriculum.config)}
+        plan["rl"] = grpo_mix(slices, curriculum.config)
         files["curriculum.json"] = json.dumps(plan, indent=2)
         classes = Counter(row["class"] for env in slices.values() for row in env["slices"])
         metrics |= {f"slices_{cls}": classes.get(cls, 0) for cls in ("unsolved", "learnable", "mastered", "locked")}
@@ -136,8 +135,10 @@ def mine_to_store(
     return store.put("weaknesses", name, files, parents=parents, params=params, metrics=metrics)
 
 
-def _has(store: ArtifactStore, ref: str) -> bool:
-    return "curriculum.json" in store.manifest(ref).files
+def stored_curriculum(store: ArtifactStore, ref: str) -> dict[str, Any] | None:
+    """The curriculum.json of a weaknesses artifact (None: mined without a curriculum)."""
+    manifest = store.manifest(ref)
+    return store.read_json(manifest.id, "curriculum.json") if "curriculum.json" in manifest.files else None
 
 
 def _error_type(error: str) -> str:

@@ -20,6 +20,7 @@ from data import ArtifactStore, StoreError, lineage
 from evaluation.curriculum import grpo_mix, plan_generation
 from evaluation.gate import recorded_evals, shares_items
 from evaluation.lm_eval_runner import model_ref_of
+from evaluation.weakness import stored_curriculum
 from flows import work
 from flows.dispatch import Dispatch, result_storage, run_stage
 from flows.profiles import PROFILES, ProfileName, RoundProfile
@@ -170,9 +171,7 @@ def round_inputs(store: ArtifactStore, n: int, p: RoundProfile) -> RoundInputs:
         base_evals = [ref for ref in mined.parents if store.manifest(ref).kind == "eval"]
     else:  # A store from before rounds were mined: the evals the gate recorded.
         base_evals = decision["candidate_evals"] if decision["promote"] else recorded_evals(store, base)
-    curriculum = None
-    if mined is not None and p.curriculum == "mined" and "curriculum.json" in mined.files:
-        curriculum = store.read_json(mined.id, "curriculum.json")
+    curriculum = stored_curriculum(store, mined.id) if mined is not None and p.curriculum == "mined" else None
     return RoundInputs(base, base_evals, weaknesses, curriculum)
 
 

@@ -24,6 +24,7 @@ from prefect.concurrency.sync import concurrency
 
 from data import Manifest
 from data.costs import track_costs
+from evaluation.weakness import stored_curriculum
 from flows import work
 from flows.profiles import RoundProfile
 from flows.ui import EvalProgress, ProgressArtifact, artifact_link, markdown, metrics_table, stage_run_name
@@ -149,9 +150,9 @@ def mine(params: MineParams) -> str:
     columns = ("slice", "n", "success_rate", "success_ci95", "weak")
     table = [{c: row[c] for c in columns} for row in slices[:20]]
     create_table_artifact(key="weak-slices", table=table, description=f"Weakest slices, round {params.round_no}")
-    if "curriculum.json" in manifest.files:
-        curriculum = store.read_json(manifest.id, "curriculum.json")["slices"]
-        rows = [{"env": env} | row for env, spec in curriculum.items() for row in spec["slices"]]
+    curriculum = stored_curriculum(store, manifest.id)
+    if curriculum is not None:
+        rows = [{"env": env} | row for env, spec in curriculum["slices"].items() for row in spec["slices"]]
         create_table_artifact(
             key="curriculum", table=rows, description=f"Curriculum for round {params.round_no + 1}: class per slice"
         )
