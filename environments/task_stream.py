@@ -10,11 +10,30 @@ so a held-out set with no mix is stratified and a generation budget is split as 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 DIFFICULTIES = ("easy", "medium", "hard")
 MakeTask = Callable[[random.Random, str, str], dict[str, Any]]
+
+
+def weighted_round_robin(weights: list[float]) -> Iterator[int]:
+    """Endless indices into `weights`, each next one the furthest below its share so far (ties: the
+    first), so after any n draws every index has had its share of n, rounded; weight 0 never comes.
+
+    >>> import itertools; list(itertools.islice(weighted_round_robin([2, 1, 0]), 6))
+    [0, 1, 0, 0, 1, 0]
+    """
+    total = sum(weights)
+    if total <= 0:
+        raise ValueError("weighted_round_robin needs a positive weight")
+    counts = [0] * len(weights)
+    n = 0
+    while True:
+        n += 1
+        chosen = max(range(len(weights)), key=lambda i: (weights[i] > 0, weights[i] / total * n - counts[i], -i))
+        counts[chosen] += 1
+        yield chosen
 
 
 class TaskStream:
@@ -46,18 +65,13 @@ class TaskStream:
         self.weights = [max(0.0, mix.get(f"{c}/{d}", 1.0)) for c, d in self.slices]
         if not any(self.weights):
             raise ValueError(f"task_mix gives every slice of {env} zero weight")
+        self._order = weighted_round_robin(self.weights)
         self._schedule: list[int] = []  # Slice index of each item drawn so far.
-        self._counts = [0] * len(self.slices)
 
     def slice_of(self, index: int) -> tuple[str, str]:
         """(category, difficulty) of item `index`: the slice furthest below its share so far."""
-        total = sum(self.weights)
         while len(self._schedule) <= index:
-            n = len(self._schedule) + 1
-            deficit = [w / total * n - c for w, c in zip(self.weights, self._counts, strict=True)]
-            chosen = max(range(len(self.slices)), key=lambda s: (self.weights[s] > 0, deficit[s], -s))
-            self._counts[chosen] += 1
-            self._schedule.append(chosen)
+            self._schedule.append(next(self._order))
         return self.slices[self._schedule[index]]
 
     def item(self, index: int) -> dict[str, Any]:

@@ -166,20 +166,24 @@ def plan_generation(curriculum: dict[str, Any], groups: int, config: CurriculumC
 
 
 def grpo_mix(curriculum: dict[str, Any], config: CurriculumConfig | None = None) -> dict[str, dict[str, float]]:
-    """Per env, GRPO task weights: learnability p(1 - p) of each learnable slice (p: the Wilson
-    centre). An env with none learnable trains alike on its unsolved slices (which SFT has just been
-    shown), and one with only mastered slices alike on all it has unlocked."""
+    """Per env, GRPO task weights on one scale across envs (GRPO draws an env's tasks in proportion to
+    its weights' sum): learnability p(1 - p) of each learnable slice (p: the Wilson centre), so an env
+    with nothing learnable gets no tasks. With nothing learnable anywhere, every unsolved slice alike
+    (SFT has just been shown them); with none of those either, every unlocked mastered one."""
     config = config or CurriculumConfig()
-    mix: dict[str, dict[str, float]] = {}
-    for env, spec in curriculum.items():
-        weights = {}
-        for row in spec["slices"]:
-            p = sum(wilson(row["wins"], row["n"], config.z)) / 2
-            weights[row["slice"]] = round(p * (1 - p), 4) if row["class"] == "learnable" else 0.0
-        for fallback in ("unsolved", "mastered"):
-            if not any(weights.values()):
-                weights = {row["slice"]: float(row["class"] == fallback) for row in spec["slices"]}
-        mix[env] = weights
+    cells = [(env, row) for env, spec in curriculum.items() for row in spec["slices"]]
+
+    def learnability(row: dict[str, Any]) -> float:
+        p = sum(wilson(row["wins"], row["n"], config.z)) / 2
+        return round(p * (1 - p), 4) if row["class"] == "learnable" else 0.0
+
+    weights = [learnability(row) for _, row in cells]
+    for fallback in ("unsolved", "mastered"):
+        if not any(weights):
+            weights = [float(row["class"] == fallback) for _, row in cells]
+    mix: dict[str, dict[str, float]] = {env: {} for env in curriculum}
+    for (env, row), weight in zip(cells, weights, strict=True):
+        mix[env][row["slice"]] = weight
     return mix
 
 

@@ -58,7 +58,10 @@ class ServerConfig(BaseModel):
         default=True, description="transformers: batch concurrent requests (4-6x tokens/s on CPU)."
     )
     cb_max_memory_percent: float = Field(
-        default=0.2, gt=0, le=1, description="transformers: KV-cache cap; the default sizes it from all RAM."
+        default=0.05,
+        gt=0,
+        le=1,
+        description="transformers: KV-cache share of RAM, reserved up front (5 %: ~1 GB on 24 GB).",
     )
 
     # -- vllm serve (GPU)

@@ -18,6 +18,7 @@ import shutil
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +28,7 @@ from transformers import TrainerCallback
 from data import ArtifactStore, Manifest
 from environments.hermes_base_env import HermesAgentBaseEnv
 from environments.registry import categories_of, env_class
+from environments.task_stream import weighted_round_robin
 from training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
 from training.config import RunnerConfig
 from training.models import resolve_model
@@ -161,9 +163,19 @@ def grpo_kwargs(cfg: GRPORunConfig, output_dir: str) -> dict[str, Any]:
     return args
 
 
+def env_draws(envs: list[HermesAgentBaseEnv]) -> Iterator[HermesAgentBaseEnv]:
+    """The envs in the order GRPO draws tasks from them: each env's share is the sum of its task mix
+    (the curriculum's learnability weights, one scale across envs); an env without a mix gets the
+    mean share of those with one (all alike when none has one)."""
+    mixed = [sum(env.config.task_mix.values()) for env in envs if env.config.task_mix is not None]
+    default = statistics.fmean(mixed) if mixed else 1.0
+    shares = [default if env.config.task_mix is None else sum(env.config.task_mix.values()) for env in envs]
+    return (envs[index] for index in weighted_round_robin(shares))
+
+
 def task_dataset(envs: list[HermesAgentBaseEnv], num_tasks: int) -> tuple[Any, dict[str, Task]]:
-    """`num_tasks` training prompts, the envs' tasks interleaved, and the task each prompt names."""
-    drawn = [envs[index % len(envs)] for index in range(num_tasks)]
+    """`num_tasks` training prompts, drawn from the envs by their shares, and the task each prompt names."""
+    drawn = itertools.islice(env_draws(envs), num_tasks)
     return tasks_dataset([Task(env, asyncio.run(env.get_next_item())) for env in drawn])
 
 
@@ -283,7 +295,7 @@ def _screen(
     group = cfg.num_rollouts_per_task
     per_step = cfg.batch_size * cfg.gradient_accumulation_steps // group
     needed = min(cfg.num_tasks, per_step * cfg.total_steps)
-    drawn = itertools.cycle(envs)
+    drawn = env_draws(envs)
     server = PolicyServer.of_trainer(trainer, cfg.max_completion_length)
 
     def draw() -> Task:
@@ -321,7 +333,14 @@ def policy_envs(
         return cls(tokenizer_name=str(model_dir), difficulty=cfg.difficulty, categories=categories, task_mix=mix,
                    seed=cfg.seed)  # fmt: skip
 
-    built = [make(env) if isinstance(env, str) else env for env in (envs or cfg.envs)]
+    def weighted(name: str) -> bool:  # An env the mix gives zero weight (nothing learnable there) gets no tasks.
+        mix = (cfg.task_mix or {}).get(name)
+        return mix is None or any(mix.values())
+
+    names = [env for env in cfg.envs if weighted(env)]
+    if not (envs or names):
+        raise ValueError(f"task_mix gives every env zero weight: {cfg.task_mix}")
+    built = [make(env) if isinstance(env, str) else env for env in (envs or names)]
     for one in built:
         asyncio.run(one.setup())
         one.config.tokenizer_name, one.tokenizer = str(model_dir), tokenizer

@@ -103,6 +103,11 @@ def test_grpo_weights_learnable_slices_by_p_times_one_minus_p() -> None:
     everything_mastered = {(c, d): (12, 12) for c in CATEGORIES for d in ("easy", "medium", "hard")}
     uniform = grpo_mix(build_curriculum(outcomes(everything_mastered), FAMILIES))["tool_use_chain"]
     assert set(uniform.values()) == {1.0}  # Nothing left to learn: every unlocked slice alike.
+    # Across envs, one scale: an env with nothing learnable gets no GRPO tasks while another has some.
+    two = {"tool_use_chain": CATEGORIES, "web_navigation": ("under_price", "cheapest", "lookup_price")}
+    rows = outcomes(script) + outcomes({("cheapest", "easy"): (0, 12)}, env="web_navigation")
+    across = grpo_mix(build_curriculum(rows, two))
+    assert sum(across["tool_use_chain"].values()) == 0.25 and not any(across["web_navigation"].values())
 
 
 def test_unsolved_slices_get_teacher_demonstrations(tmp_path, tiny_model) -> None:

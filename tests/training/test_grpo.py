@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,14 @@ from data import ArtifactStore
 from environments.registry import env_class
 from environments.tool_context import live_task_ids
 from training.config import ConfigError, load_config
-from training.grpo import GRPORunConfig, RewardDistributionWarning, env_reward, grpo_args, task_dataset
+from training.grpo import (
+    GRPORunConfig,
+    RewardDistributionWarning,
+    env_reward,
+    grpo_args,
+    policy_envs,
+    task_dataset,
+)
 from training.rollouts import agent_rollout_func
 from training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
 
@@ -224,3 +232,25 @@ def test_grpo_vllm_generation_server_command(tiny_model: Path) -> None:
                                    vllm_server_base_url="http://127.0.0.1:8000"), "/tmp/x")  # fmt: skip
     assert args["use_vllm"] and args["vllm_mode"] == "server" and args["bf16"] and "use_cpu" not in args
     assert args["vllm_server_base_url"] == "http://127.0.0.1:8000" and args["beta"] == 0.04
+
+
+def test_grpo_draws_each_env_by_its_curriculum_share(tiny_model: Path) -> None:
+    """Tasks follow the round's GRPO mix across envs: an env's share is its weights' sum, so one with
+    three times the learnability gets three times the tasks, and one with nothing learnable gets none."""
+    from transformers import AutoTokenizer
+
+    mix = {
+        "tool_use_chain": {"line_count/easy": 0.25, "todo_report/easy": 0.0},
+        "web_navigation": {"cheapest/easy": 0.25, "lookup_price/easy": 0.5},
+        "file_stats": {"count_lines/easy": 0.0},
+    }
+    cfg = GRPORunConfig(envs=list(mix), task_mix=mix, device="cpu")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    envs = policy_envs(cfg, None, tiny_model, tokenizer)
+    assert [env.name for env in envs] == ["tool_use_chain", "web_navigation"]  # file_stats: all zero.
+    dataset, _ = task_dataset(envs, 8)
+    assert Counter(dataset["env"]) == {"tool_use_chain": 2, "web_navigation": 6}
+    with pytest.raises(ValueError, match="every env zero weight"):
+        policy_envs(
+            GRPORunConfig(envs=["file_stats"], task_mix={"file_stats": {"a/easy": 0.0}}), None, tiny_model, tokenizer
+        )
