@@ -268,8 +268,10 @@ class ModelServer:
             line = raw.decode(errors="replace").rstrip()
             if line:
                 self._tail.append(line)
-                # Per-request access lines would flood the run log; everything else streams.
-                level = logging.DEBUG if '" 200' in line and "HTTP/1.1" in line else logging.INFO
+                # Per-request lines (access log, `transformers serve`'s "Request received") would flood
+                # the run log and the Prefect API with it; everything else streams.
+                per_request = ('" 200' in line and "HTTP/1.1" in line) or "Request received" in line
+                level = logging.DEBUG if per_request else logging.INFO
                 logger.log(level, "[%s] %s", self.config.backend, line)
 
 

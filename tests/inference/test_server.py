@@ -95,3 +95,23 @@ def test_startup_timeout_kills_the_server(tiny_model: Path) -> None:
     with pytest.raises(ServerError, match="did not become healthy"):
         server.start()
     assert server.process.poll() is not None
+
+
+def test_server_output_streams_to_the_log_but_per_request_lines_only_at_debug(tiny_model: Path, caplog) -> None:
+    """A request's lines stay out of the run log (and the Prefect API), startup and errors do not."""
+    import logging
+    import subprocess
+
+    lines = [
+        "INFO:     Uvicorn running on http://127.0.0.1:1",
+        '127.0.0.1:5 - "POST /v1/chat/completions HTTP/1.1" 200 OK',
+        "[transformers] Request received",
+        "Traceback (most recent call last):",
+    ]
+    server = ModelServer(ServerConfig(model=str(tiny_model)))
+    server.process = subprocess.Popen(["printf", "%s\\n", *lines], stdout=subprocess.PIPE)
+    with caplog.at_level(logging.DEBUG, logger="inference.server"):
+        server._stream_log()
+    levels = {record.getMessage().split("] ", 1)[1]: record.levelno for record in caplog.records}
+    assert levels == dict(zip(lines, [logging.INFO, logging.DEBUG, logging.DEBUG, logging.INFO], strict=True))
+    assert list(server._tail) == lines  # The failure tail keeps everything.
