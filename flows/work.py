@@ -126,8 +126,9 @@ def generate(params: GenerateParams) -> Manifest:
                             env_config=_env_slice(p, env) | _turn_caps(p, source), **actor(source),
                         )
                     )  # fmt: skip
+        name = f"round{params.round_no}"
         return generate_rollouts(
-            store, parts, group_size=2, tokenizer=str(model_dir), seed=params.round_no, name=f"round{params.round_no}"
+            store, parts, group_size=p.group_size, tokenizer=str(model_dir), seed=params.round_no, name=name
         )
 
 
