@@ -9,6 +9,7 @@ because a success rate over the tasks that happened to get through is not the mo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import tempfile
@@ -45,6 +46,11 @@ class AgenticEvalConfig(BaseModel):
     tokenizer: str = Field(description="Local tokenizer dir (for the envs).")
     teacher: str = Field(default="server", description="`oracle` evaluates the oracle instead (a ceiling).")
     name: str = Field(default="agentic", description="Name of the eval artifact.")
+    concurrency: int = Field(
+        default=16,
+        ge=1,
+        description="Rollouts in flight at once over all envs (split evenly; the server batches them).",
+    )
     max_infra_failure_rate: float = Field(
         default=0.05, ge=0, le=1, description="Share of an env's tasks that may be infra failures before the run fails."
     )
@@ -93,30 +99,21 @@ def run_agentic_eval(
     """Evaluate every env, aggregate, and store an `eval` artifact (results.json + samples per env).
 
     Each finished task is logged as `<env>: done/total` and passed to `progress(env, done, total)`
-    (the Prefect stage shows it). Raises `InfraFailureRateError`, storing nothing, as soon as an
-    env's infra-failure share passes `cfg.max_infra_failure_rate`.
+    (the Prefect stage shows it). The envs run at once, `cfg.concurrency` rollouts in flight in
+    all. Raises `InfraFailureRateError`, storing nothing, when an env's infra-failure share passes
+    `cfg.max_infra_failure_rate`.
     """
     started = time.perf_counter()
     evalset = store_agentic_evalset(store, cfg)
+    with contextlib.ExitStack() as stack:
+        outs = {name: stack.enter_context(tempfile.TemporaryDirectory()) for name in cfg.envs}
+        envs = {name: _env(name, **_env_config(cfg, name, outs[name])) for name in cfg.envs}
+        per_env = asyncio.run(_evaluate_all(envs, progress))
+        by_env = {name: Path(out, "samples.jsonl").read_text(encoding="utf-8") for name, out in outs.items()}
     files: dict[str, str] = {}
-    per_env: dict[str, dict[str, float]] = {}
     all_samples: list[dict[str, Any]] = []
-    for name in cfg.envs:
-        with tempfile.TemporaryDirectory() as out:
-            overrides: dict[str, Any] = {
-                "tokenizer_name": cfg.tokenizer,
-                "eval_size": cfg.eval_size,
-                "data_dir_to_save_evals": out,
-                "max_token_length": cfg.max_token_length,
-                "teacher": cfg.teacher,
-                **_slice(cfg, name),
-            }
-            if cfg.max_agent_turns:
-                overrides["max_agent_turns"] = cfg.max_agent_turns
-            env = _env(name, server_configs=server_configs(cfg.base_url, cfg.model_name, cfg.api_key_env), **overrides)
-            per_env[name] = asyncio.run(_evaluate(env, _reporter(name, progress)))
-            lines = Path(out, "samples.jsonl").read_text(encoding="utf-8").splitlines()  # Not the locale's.
-            samples = [json.loads(line) for line in lines]
+    for name, text in by_env.items():  # UTF-8 whatever the locale.
+        samples = [json.loads(line) for line in text.splitlines()]
         _check_infra_failures(name, samples, cfg.max_infra_failure_rate)
         files[f"samples/{name}.jsonl"] = "".join(json.dumps(s) + "\n" for s in samples)
         all_samples.extend(samples)
@@ -131,6 +128,30 @@ def run_agentic_eval(
     manifest = store.put("eval", cfg.name, files, parents=parents, params=cfg.model_dump(), metrics=metrics)
     logger.info("agentic eval %s: success %.2f over %d tasks", cfg.name, metrics["success_rate"], metrics["n"])
     return manifest
+
+
+def _env_config(cfg: AgenticEvalConfig, name: str, out: str) -> dict[str, Any]:
+    """One env's evaluation settings: the round's slice, reply and turn caps, its share of the concurrency."""
+    config: dict[str, Any] = {
+        "server_configs": server_configs(cfg.base_url, cfg.model_name, cfg.api_key_env),
+        "tokenizer_name": cfg.tokenizer,
+        "eval_size": cfg.eval_size,
+        "eval_concurrency": max(1, cfg.concurrency // len(cfg.envs)),
+        "data_dir_to_save_evals": out,
+        "max_token_length": cfg.max_token_length,
+        "teacher": cfg.teacher,
+        **_slice(cfg, name),
+    }
+    if cfg.max_agent_turns:
+        config["max_agent_turns"] = cfg.max_agent_turns
+    return config
+
+
+async def _evaluate_all(envs: dict[str, Any], progress: Progress | None) -> dict[str, dict[str, float]]:
+    """Every env's evaluation at once: the server batches rollouts of all of them, with no env's
+    last few tasks running alone while the others wait."""
+    results = await asyncio.gather(*(_evaluate(env, _reporter(name, progress)) for name, env in envs.items()))
+    return dict(zip(envs, results, strict=True))
 
 
 async def _evaluate(env: Any, progress: Callable[[int, int], None]) -> dict[str, float]:

@@ -78,6 +78,9 @@ class RoundProfile(BaseModel):
         "(0: off; single-process runs only, so off when gpus > 1).",
     )
     max_turns: int = Field(default=6, ge=1, description="Agent turns per task, in GRPO and evaluation alike.")
+    eval_concurrency: int = Field(
+        default=16, ge=1, description="Evaluation rollouts in flight at once over all envs (the server batches them)."
+    )
     max_infra_failure_rate: float = Field(
         default=0.05, ge=0, le=1, description="Evaluation fails (no success rate) above this infra-failure share."
     )

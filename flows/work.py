@@ -246,6 +246,7 @@ def evaluate(params: EvaluateParams, progress: Progress | None = None) -> Manife
             model_name=server.model_name or "",
             tokenizer=str(model_dir),
             max_agent_turns=p.max_turns,
+            concurrency=p.eval_concurrency,
             max_infra_failure_rate=p.max_infra_failure_rate,
             name=params.name,
         )

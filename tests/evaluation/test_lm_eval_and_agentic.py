@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from data import ArtifactStore, lineage
+from environments.hermes_base_env import HermesAgentBaseEnv
 from evaluation.agentic import AgenticEvalConfig, run_agentic_eval
 from evaluation.lm_eval_runner import LMEvalConfig, model_args, run_lm_eval
 from evaluation.suite import suite_items
@@ -201,10 +202,10 @@ def test_agentic_eval_of_the_envs_against_a_served_model(
 
 
 def test_oracle_ceiling_scores_everything(
-    model_store: ArtifactStore, tiny_model: Path, tiny_server: ModelServer
+    model_store: ArtifactStore, tiny_model: Path, tiny_server: ModelServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg = AgenticEvalConfig(
-        envs=["tool_use_chain"],
+        envs=["tool_use_chain", "web_navigation"],
         eval_size=3,
         base_url=tiny_server.base_url,
         model_name=tiny_server.model_name,
@@ -212,5 +213,20 @@ def test_oracle_ceiling_scores_everything(
         teacher="oracle",
         name="agentic-oracle",
     )
+    in_flight: list[str] = []
+    overlapping: set[str] = set()  # Envs seen with a rollout in flight while another env had one.
+    run_agent = HermesAgentBaseEnv.run_agent
+
+    async def tracked(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if set(in_flight) - {self.name}:
+            overlapping.update([*in_flight, self.name])
+        in_flight.append(self.name)
+        try:
+            return await run_agent(self, *args, **kwargs)
+        finally:
+            in_flight.remove(self.name)
+
+    monkeypatch.setattr(HermesAgentBaseEnv, "run_agent", tracked)
     manifest = run_agentic_eval(cfg, model_store)
-    assert manifest.metrics["success_rate"] == 1.0
+    assert manifest.metrics["success_rate"] == 1.0 and manifest.metrics["n"] == 6
+    assert overlapping == {"tool_use_chain", "web_navigation"}  # The envs run at once (the server batches both).
