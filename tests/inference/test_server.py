@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from inference import ModelServer, ServerConfig, ServerError, build_command, chat
+from inference.server import server_env
 
 
 def _pid_alive(pid: int) -> bool:
@@ -51,6 +52,7 @@ def test_transformers_command_caps_kv_cache(tiny_model: Path) -> None:
     assert command[:3] == ["transformers", "serve", str(tiny_model)]
     assert "--continuous-batching" in command
     assert command[command.index("--cb-max-memory-percent") + 1] == "0.05"
+    assert command[command.index("--cb-max-batch-tokens") + 1] == "1024"  # Not the library's slow 8192.
     assert command[command.index("--device") + 1] == "cpu"
     plain = build_command(ServerConfig(model=str(tiny_model), continuous_batching=False), 8123)
     assert "--continuous-batching" not in plain
@@ -115,3 +117,9 @@ def test_server_output_streams_to_the_log_but_per_request_lines_only_at_debug(ti
     levels = {record.getMessage().split("] ", 1)[1]: record.levelno for record in caplog.records}
     assert levels == dict(zip(lines, [logging.INFO, logging.DEBUG, logging.DEBUG, logging.INFO], strict=True))
     assert list(server._tail) == lines  # The failure tail keeps everything.
+
+
+def test_transformers_serve_gets_grouped_query_attention_unless_turned_off(tiny_model: Path) -> None:
+    assert server_env(ServerConfig(model=str(tiny_model))) == {"TRANSFORMERS_SDPA_FORCE_GQA": "1"}
+    assert server_env(ServerConfig(model=str(tiny_model), sdpa_gqa=False, env={"A": "1"})) == {"A": "1"}
+    assert server_env(ServerConfig(model=str(tiny_model), backend="vllm")) == {}

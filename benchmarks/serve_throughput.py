@@ -1,0 +1,83 @@
+"""Model-server throughput on CPU: `transformers serve` settings side by side, on the requests an
+agentic evaluation sends (a held-out task's first turn: system prompt, tool schemas, task).
+
+Run: .venv/bin/python benchmarks/serve_throughput.py [--model smollm2] [--requests 16] [--max-tokens 128]
+
+Each setting serves the same model in turn and answers the same `--requests` chat requests, all in
+flight at once (as an evaluation's rollouts are). Printed per setting: wall seconds, completion
+tokens per second, and the speed-up over the first setting (the shipped default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from typing import Any
+
+import httpx
+
+from data import ArtifactStore
+from environments.registry import TASK_FAMILIES, env_class
+from inference import ModelServer, ServerConfig
+from training.models import resolve_model
+
+SETTINGS: dict[str, dict[str, Any]] = {
+    "shipped default": {},
+    "8192 batch tokens": {"cb_max_batch_tokens": 8192},  # transformers' own default.
+    "256 batch tokens": {"cb_max_batch_tokens": 256},
+    "no sdpa gqa": {"sdpa_gqa": False},
+    "eager attention": {"extra_args": ["--attn-implementation", "eager"]},
+    "no continuous batching": {"continuous_batching": False},
+}
+
+
+def first_turns(model_dir: str, count: int) -> list[dict[str, Any]]:
+    """`count` first-turn chat requests, taken round robin from every task family's held-out items."""
+    requests = []
+    for index in range(count):
+        env = env_class(TASK_FAMILIES[index % len(TASK_FAMILIES)])(tokenizer_name=model_dir, eval_size=count)
+        asyncio.run(env.setup())
+        schemas, _ = env._resolve_tools_for_group()
+        item = env.eval_items[index // len(TASK_FAMILIES)]
+        requests.append({"messages": env.build_messages(item, schemas), "tools": schemas})
+    return requests
+
+
+async def answer_all(base_url: str, model: str, requests: list[dict[str, Any]], max_tokens: int) -> int:
+    """Send every request at once; the completion tokens of all answers."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=3600) as client:
+
+        async def one(request: dict[str, Any]) -> int:
+            body = request | {"model": model, "max_tokens": max_tokens, "temperature": 0.0}
+            response = await client.post("/chat/completions", json=body)
+            response.raise_for_status()
+            return response.json()["usage"]["completion_tokens"]
+
+        return sum(await asyncio.gather(*(one(request) for request in requests)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--only", nargs="*", default=list(SETTINGS), help="Settings (the first is the baseline).")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:  # A built-in model is prepared once, then found in the cache.
+        model_dir = str(resolve_model(args.model, ArtifactStore(tmp)))
+    requests = first_turns(model_dir, args.requests)
+    baseline = None
+    for name in args.only:
+        with ModelServer(ServerConfig(model=model_dir, **SETTINGS[name])) as server:
+            started = time.perf_counter()
+            tokens = asyncio.run(answer_all(server.base_url, server.model_name or "", requests, args.max_tokens))
+            seconds = time.perf_counter() - started
+        rate = tokens / seconds
+        baseline = baseline or rate
+        print(f"{name:24s} {seconds:7.1f} s {tokens:6d} tokens {rate:7.1f} tokens/s x{rate / baseline:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
