@@ -70,12 +70,19 @@ def build_curriculum(
     """Per env, every slice's class and evidence, and the slices unlocked.
 
     `outcomes`: `{source, category, difficulty, success}` rows (mining's flat samples);
-    `families`: env -> its categories; `previous`: the last round's curriculum (unlocks persist);
-    `difficulty`: a profile that fixes one difficulty gets only that one, always unlocked.
+    `families`: env -> its categories (none: the whole env is one slice, `*`); `previous`: the last
+    round's curriculum (unlocks persist); `difficulty`: a profile that fixes one difficulty gets
+    only that one, always unlocked.
     """
     config = config or CurriculumConfig()
     curriculum: dict[str, Any] = {}
     for env, categories in families.items():
+        if not categories:  # An env without task categories is one slice, `*`, with nothing to unlock.
+            own = [row for row in outcomes if row["source"] == env]
+            counts = {(env, "*", "*"): [sum(bool(row["success"]) for row in own), len(own)]}
+            row = _classify(env, "*", "*", counts, config) | {"slice": "*"}
+            curriculum[env] = {"slices": [row], "unlocked": ["*"], "newly_unlocked": []}
+            continue
         levels = (difficulty,) if difficulty else DIFFICULTIES
         before = set((previous or {}).get(env, {}).get("unlocked", []))
         opened = before | {f"{c}/{levels[0]}" for c in categories}

@@ -287,7 +287,7 @@ def mine(params: MineParams) -> Manifest:
     """Failure slices with confidence intervals -> the next round's curriculum."""
     p = params.profile
     spec = None
-    if p.curriculum == "mined" and p.families():
+    if p.curriculum == "mined":
         config = p.curriculum_config
         spec = CurriculumSpec(families=p.families(), difficulty=p.difficulty, groups=p.groups, config=config)
     name = f"weaknesses-r{params.round_no}"

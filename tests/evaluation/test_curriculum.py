@@ -136,3 +136,20 @@ def test_a_small_budget_spreads_over_every_env() -> None:
     families = {env: CATEGORIES for env in ("a", "b", "c", "d")}  # 12 unsolved easy slices, 8 groups.
     plan = plan_generation(build_curriculum([], families), groups=8)
     assert {env: part["teacher"]["groups"] for env, part in plan.items()} == {"a": 2, "b": 2, "c": 2, "d": 2}
+
+
+def test_an_env_without_categories_is_one_slice_that_gets_its_share() -> None:
+    """A user's env with no task categories still gets a class, generation groups and GRPO tasks."""
+    families = {"tool_use_chain": CATEGORIES, "file_stats": ()}
+    rows = outcomes({("line_count", "easy"): (6, 12)})
+    unknown = {"source": "file_stats", "category": "unknown", "difficulty": "unknown"}
+    rows += [unknown | {"success": i < 1} for i in range(3)]
+    result = build_curriculum(rows, families, CurriculumConfig(z=1.0))
+    (whole,) = result["file_stats"]["slices"]
+    assert (whole["slice"], whole["class"], whole["wins"], whole["n"]) == ("*", "learnable", 1, 3)
+    plan = plan_generation(result, groups=8)
+    assert plan["file_stats"]["policy"] == {"groups": whole["groups"], "mix": {"*": whole["groups"]}}
+    assert whole["groups"] >= 1
+    assert grpo_mix(result)["file_stats"]["*"] > 0
+    never_solved = build_curriculum([{**row, "success": False} for row in rows], families)
+    assert never_solved["file_stats"]["slices"][0]["class"] == "unsolved"
