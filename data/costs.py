@@ -2,8 +2,10 @@
 
 Inside `track_costs()`, every `ArtifactStore.put` adds `peak_rss_mb` to the artifact's metrics:
 the process's high-water mark (Linux `VmHWM`) since the block began, which resets it through
-`/proc/self/clear_refs`. Model servers, `accelerate launch` workers and vLLM engines are processes
-of their own and are not counted.
+`/proc/self/clear_refs`. A helper process the stage started (a model server) is counted inside
+`counting_process(pid)`: `server_peak_rss_mb` is its own high-water mark, and `total_peak_rss_mb`
+the sum of both (an upper bound on what the stage held at once). `accelerate launch` workers and
+vLLM engines are not counted.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from contextvars import ContextVar
 from pathlib import Path
 
 _tracking: ContextVar[bool] = ContextVar("flywheel_track_costs", default=False)
+_helpers: ContextVar[tuple[int, ...]] = ContextVar("flywheel_counted_processes", default=())
 _STATUS, _CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
 
 
@@ -33,12 +36,35 @@ def track_costs() -> Iterator[None]:
         _tracking.reset(token)
 
 
+@contextlib.contextmanager
+def counting_process(pid: int) -> Iterator[None]:
+    """Count process `pid` (a model server this stage started) in the artifacts put meanwhile."""
+    token = _helpers.set((*_helpers.get(), pid))
+    try:
+        yield
+    finally:
+        _helpers.reset(token)
+
+
 def cost_metrics() -> dict[str, float]:
-    """`{"peak_rss_mb": ...}` inside `track_costs()` (where /proc can tell), else nothing."""
+    """`{"peak_rss_mb": ...}` inside `track_costs()` (where /proc can tell), else nothing; with the
+    counted helper processes' `server_peak_rss_mb` and the `total_peak_rss_mb` of both."""
     if not _tracking.get():
         return {}
-    try:
-        line = next(x for x in _STATUS.read_text().splitlines() if x.startswith("VmHWM:"))
-    except (OSError, StopIteration):
+    own = _high_water_mb(_STATUS)
+    if own is None:
         return {}
-    return {"peak_rss_mb": round(int(line.split()[1]) / 1024, 1)}
+    metrics = {"peak_rss_mb": own}
+    helpers = [mb for pid in _helpers.get() if (mb := _high_water_mb(Path(f"/proc/{pid}/status"))) is not None]
+    if helpers:
+        metrics |= {"server_peak_rss_mb": round(sum(helpers), 1), "total_peak_rss_mb": round(own + sum(helpers), 1)}
+    return metrics
+
+
+def _high_water_mb(status: Path) -> float | None:
+    """A process's peak resident memory (`VmHWM`) in MB, None where /proc cannot tell."""
+    try:
+        line = next(x for x in status.read_text().splitlines() if x.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
+    return round(int(line.split()[1]) / 1024, 1)

@@ -153,15 +153,24 @@ def _costs_markdown(manifests: list[Manifest]) -> str:
     costed = [m for m in manifests if "peak_rss_mb" in m.metrics or "wall_seconds" in m.metrics]
     if not costed:
         return ""
-    lines = ["## Costs", "", "| artifact | wall time | peak memory |", "|---|---|---|"]
+    def gb(m: Manifest, key: str) -> str:
+        return f"{m.metrics[key] / 1024:.2f} GB" if key in m.metrics else "-"
+
+    lines = ["## Costs", "", "| artifact | wall time | peak memory | its model server | both |", "|" + "---|" * 5]
     for m in costed:
         wall = f"{m.metrics['wall_seconds']:.0f} s" if "wall_seconds" in m.metrics else "-"
-        peak = f"{m.metrics['peak_rss_mb'] / 1024:.2f} GB" if "peak_rss_mb" in m.metrics else "-"
-        lines.append(f"| {m.kind}/{m.name} | {wall} | {peak} |")
-    peaks = [m.metrics["peak_rss_mb"] for m in costed if "peak_rss_mb" in m.metrics]
-    if peaks:
-        peak = max(peaks) / 1024
-        lines += ["", f"Peak resident memory of the round: **{peak:.2f} GB** (model servers not counted).", ""]
+        lines.append(
+            f"| {m.kind}/{m.name} | {wall} | {gb(m, 'peak_rss_mb')} | {gb(m, 'server_peak_rss_mb')} "
+            f"| {gb(m, 'total_peak_rss_mb')} |"
+        )
+    peaks = [m.metrics.get("total_peak_rss_mb", m.metrics.get("peak_rss_mb", 0)) for m in costed]
+    if any(peaks):
+        lines += [
+            "",
+            f"Peak resident memory of the round: **{max(peaks) / 1024:.2f} GB** (a stage and the model server it "
+            "started, their peaks added; training launched on several GPUs not counted).",
+            "",
+        ]
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from data import ArtifactStore, Manifest
+from data.costs import counting_process
 from data.curation import curate_to_store
 from environments.generate import GenerationPart, generate_rollouts
 from evaluation.agentic import AgenticEvalConfig, Progress, run_agentic_eval
@@ -112,6 +113,7 @@ def generate(params: GenerateParams) -> Manifest:
                         "api_key_env": p.teacher_api_key_env}  # fmt: skip
             if not served:  # The round's own model: the turns and reply caps it is judged with.
                 server = stack.enter_context(ModelServer(server_config(p, str(model_dir))))
+                stack.enter_context(counting_process(server.pid))
                 served.update(teacher="server", base_url=server.base_url, model_name=server.model_name)
             return served
 
@@ -235,7 +237,7 @@ def evaluate(params: EvaluateParams, progress: Progress | None = None) -> Manife
     """Serve the model and run the agentic evaluation on the env's held-out tasks; `progress(env, done, total)`."""
     p, store = params.profile, params.store()
     model_dir = resolve_model(params.model, store)
-    with ModelServer(server_config(p, str(model_dir))) as server:
+    with ModelServer(server_config(p, str(model_dir))) as server, counting_process(server.pid):
         cfg = AgenticEvalConfig(
             envs=p.envs,
             eval_size=p.eval_size,

@@ -215,6 +215,13 @@ class ModelServer:
         return f"http://{self.config.host}:{self.port}/v1"
 
     @property
+    def pid(self) -> int:
+        """The server's process id (started servers only)."""
+        if self.process is None:
+            raise ServerError("the server is not started")
+        return self.process.pid
+
+    @property
     def log_tail(self) -> str:
         """The last lines the server printed."""
         return "\n".join(self._tail)

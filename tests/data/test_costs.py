@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from data import ArtifactStore
-from data.costs import track_costs
+from data.costs import counting_process, track_costs
 
 
 def test_an_artifact_records_the_peak_memory_of_its_stage(tmp_path) -> None:
@@ -19,3 +19,32 @@ def test_an_artifact_records_the_peak_memory_of_its_stage(tmp_path) -> None:
     assert heavy >= before + 250, (before, heavy)
     with track_costs():  # The peak was reset: the freed ballast does not count for the next stage.
         assert store.put("dataset", "after", {"x": b"1"}).metrics["peak_rss_mb"] < heavy - 250
+
+
+def test_a_counted_helper_process_adds_its_own_peak(tmp_path) -> None:
+    """A model server the stage started: its peak is recorded beside the stage's, and their sum."""
+    import subprocess
+    import sys
+    import time
+
+    store = ArtifactStore(tmp_path)
+    ready = tmp_path / "ready"
+    touch = f"open({str(ready)!r}, 'w').close()"
+    script = f"b = bytearray(200 * 2**20); b[::4096] = b'1' * len(b[::4096]); {touch}; input()"
+    helper = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE)
+    try:
+        while not ready.exists():
+            assert helper.poll() is None
+            time.sleep(0.05)
+        with track_costs(), counting_process(helper.pid):
+            metrics = store.put("eval", "served", {"x": b"1"}).metrics
+        with track_costs():
+            alone = store.put("eval", "alone", {"x": b"1"}).metrics
+    finally:
+        helper.kill()
+        helper.wait()
+    assert metrics["server_peak_rss_mb"] >= 200
+    assert metrics["total_peak_rss_mb"] == round(metrics["peak_rss_mb"] + metrics["server_peak_rss_mb"], 1)
+    assert "server_peak_rss_mb" not in alone  # Counted only inside its block.
+    with track_costs(), counting_process(helper.pid):  # A helper that has exited adds nothing.
+        assert "server_peak_rss_mb" not in store.put("eval", "gone", {"x": b"1"}).metrics
