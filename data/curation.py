@@ -7,8 +7,10 @@ Filters, in order, each counted in the card:
 3. `low_spread`: whole groups whose max-min score is under `min_group_spread`.
 4. `not_top_n`: all but the best `top_n_per_group` of a group (ties: fewer turns first).
 5. `exact_duplicate` / `near_duplicate`: same conversation, or word-shingle Jaccard >= threshold.
-6. `contaminated`: the task's text shares rare n-grams with an evaluation item (boilerplate
-   n-grams that recur across many eval items are ignored, so shared templates do not count).
+6. `contaminated`: the task is an evaluation item's (equal `content_digest`: prompt, files and
+   answer, whatever the ids), or its text has most of the n-grams that only one eval item has
+   (n-grams two eval items share are template text: a held-out set of many templates, a few items
+   each, must not make every training task of a template look contaminated).
 """
 
 from __future__ import annotations
@@ -41,10 +43,16 @@ class CurationConfig(BaseModel):
         le=1,
         description="Share of an eval item's rare n-grams that flags a training item.",
     )
-    boilerplate_df: float = Field(
-        default=0.2, gt=0, le=1, description="n-grams in more than this share of eval items are boilerplate."
+    boilerplate_items: int = Field(
+        default=2,
+        ge=2,
+        description="n-grams in at least this many eval items are template text: what identifies an item is "
+        "what no other has (a share of the set would let a template shared by a few of many items count).",
     )
     pair_min_gap: float = Field(default=0.5, ge=0, description="Min score gap between chosen and rejected.")
+
+
+META_KEYS = ("item_id", "content_digest", "env", "category", "difficulty")  # What a row keeps of its group.
 
 
 @dataclass
@@ -75,9 +83,13 @@ class CurationResult:
 
 
 def curate(
-    groups: Iterable[dict[str, Any]], eval_texts: list[str], config: CurationConfig | None = None
+    groups: Iterable[dict[str, Any]],
+    eval_texts: list[str],
+    config: CurationConfig | None = None,
+    eval_digests: set[str] | None = None,
 ) -> CurationResult:
-    """Select SFT examples and preference pairs from scored groups (see module docstring)."""
+    """Select SFT examples and preference pairs from scored groups (see module docstring);
+    `eval_digests`: the held-out items' `content_digest`s."""
     config = config or CurationConfig()
     result = CurationResult(sft=[], pairs=[])
     candidates: list[dict[str, Any]] = []
@@ -115,13 +127,15 @@ def curate(
         for rollout in good[: config.top_n_per_group]:
             candidates.append(_sft_row(rollout, meta))
     kept = _deduplicate(candidates, config, result.removed)
-    checker = _ContaminationCheck(eval_texts, config)
+    checker = _ContaminationCheck(eval_texts, config, eval_digests or set())
     for row in kept:
-        if checker.contaminated(_task_text(row["messages"])):
+        if checker.contaminated(_task_text(row["messages"]), row["meta"].get("content_digest")):
             result.removed["contaminated"] += 1
         else:
             result.sft.append(row)
-    result.pairs = [p for p in result.pairs if not checker.contaminated(_task_text(p["prompt"]))]
+    result.pairs = [
+        p for p in result.pairs if not checker.contaminated(_task_text(p["prompt"]), p["meta"].get("content_digest"))
+    ]
     return result
 
 
@@ -129,7 +143,7 @@ def _sft_row(rollout: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     return {
         "messages": [_clean(m) for m in rollout["messages"]],
         "tools": meta.get("tools") or [],
-        "meta": {k: meta.get(k) for k in ("item_id", "env", "category", "difficulty")} | {"reward": rollout["score"]},
+        "meta": {k: meta.get(k) for k in META_KEYS} | {"reward": rollout["score"]},
     }
 
 
@@ -174,7 +188,7 @@ def preference_pair(rollouts: list[dict[str, Any]], meta: dict[str, Any], gap: f
         "chosen": [_clean(m) for m in best["messages"][cut:]],
         "rejected": [_clean(m) for m in worst["messages"][cut:]],
         "tools": meta.get("tools") or [],
-        "meta": {k: meta.get(k) for k in ("item_id", "env", "category", "difficulty")}
+        "meta": {k: meta.get(k) for k in META_KEYS}
         | {"chosen_reward": best["score"], "rejected_reward": worst["score"]},
     }
 
@@ -199,19 +213,21 @@ def _deduplicate(rows: list[dict[str, Any]], config: CurationConfig, removed: Co
 
 
 class _ContaminationCheck:
-    def __init__(self, eval_texts: list[str], config: CurationConfig) -> None:
+    def __init__(self, eval_texts: list[str], config: CurationConfig, digests: set[str]) -> None:
         self.n = config.contamination_ngram
         self.overlap = config.contamination_overlap
         grams = [set(_ngrams(text, self.n)) for text in eval_texts]
         df = Counter(g for doc in grams for g in doc)
-        limit = max(1, int(config.boilerplate_df * len(grams)))
-        self.docs = [{g for g in doc if df[g] <= limit} for doc in grams]
+        self.docs = [{g for g in doc if df[g] < config.boilerplate_items} for doc in grams]
+        self.digests = digests
         self.index: dict[tuple[str, ...], list[int]] = {}
         for number, doc in enumerate(self.docs):
             for gram in doc:
                 self.index.setdefault(gram, []).append(number)
 
-    def contaminated(self, text: str) -> bool:
+    def contaminated(self, text: str, digest: str | None = None) -> bool:
+        if digest is not None and digest in self.digests:  # The same task, whatever its text.
+            return True
         hits = Counter(number for gram in set(_ngrams(text, self.n)) for number in self.index.get(gram, ()))
         return any(count >= self.overlap * len(self.docs[number]) for number, count in hits.items())
 
@@ -267,9 +283,10 @@ def read_groups(store: Any, ref: str) -> list[dict[str, Any]]:
     return groups
 
 
-def eval_texts(store: Any) -> tuple[list[str], list[str]]:
-    """Task texts of every `evalset` artifact in the store, and those artifacts' ids (for lineage)."""
-    texts, ids = [], []
+def eval_texts(store: Any) -> tuple[list[str], set[str], list[str]]:
+    """Task texts and content digests of every `evalset` artifact in the store, and those
+    artifacts' ids (for lineage)."""
+    texts, digests, ids = [], set(), []
     for manifest in store.list("evalset"):
         ids.append(manifest.id)
         for relpath in sorted(p for p in manifest.files if p.endswith(".jsonl")):
@@ -278,7 +295,9 @@ def eval_texts(store: Any) -> tuple[list[str], list[str]]:
                     record = json.loads(line)
                     messages = record.get("messages") or []
                     texts.append(record.get("prompt") or record.get("text") or _task_text(messages) or line)
-    return texts, ids
+                    if record.get("content_digest"):
+                        digests.add(record["content_digest"])
+    return texts, digests, ids
 
 
 def curate_to_store(
@@ -290,8 +309,8 @@ def curate_to_store(
     # Groups are written in completion order; sorting makes the dataset (its hash, so every cache
     # key downstream) depend on what was generated, not on which rollout finished first.
     groups.sort(key=lambda group: str((group.get("meta") or {}).get("item_id", "")))
-    texts, evalset_ids = eval_texts(store)
-    result = curate(groups, texts, config)
+    texts, digests, evalset_ids = eval_texts(store)
+    result = curate(groups, texts, config, digests)
     card = result.card()
     parents = [store.resolve(ref) for ref in rollout_refs] + evalset_ids
     common = {"parents": parents, "params": config.model_dump(), "metrics": card}

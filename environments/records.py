@@ -15,6 +15,7 @@ def group_meta(item: Item, outcomes: list[tuple[AgentResult, float | None]]) -> 
     """Who the group is about, for curation and weakness mining."""
     return {
         "item_id": item.get("item_id"),
+        "content_digest": content_digest(item),
         "env": item.get("env"),
         "category": item.get("category"),
         "difficulty": item.get("difficulty"),
@@ -28,6 +29,13 @@ def task_digest(item: Item) -> str:
     """sha256 (12 hex) of the task as generated (prompt template, files, answer, oracle): two evals
     pair an item only when it is the same task, not merely the same id of a changed task family."""
     return hashlib.sha256(json.dumps(item, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def content_digest(item: Item) -> str:
+    """sha256 (12 hex) of what the task is, without where it was drawn from (id, seed, index): a
+    training item and a held-out item with equal digests are the same task (decontamination)."""
+    task = {k: v for k, v in item.items() if k not in ("item_id", "seed", "index")}
+    return hashlib.sha256(json.dumps(task, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def eval_sample(item: Item, result: AgentResult, reward: float | None) -> dict[str, Any]:

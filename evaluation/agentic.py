@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from data import ArtifactStore, Manifest
+from environments.records import content_digest
 from environments.registry import TASK_FAMILIES, categories_of, env_class
 from environments.sandbox import isolation_report
 from environments.servers import server_configs
@@ -72,6 +73,7 @@ def held_out_items(env_name: str, eval_size: int, tokenizer: str, **task_slice: 
         return [
             {
                 "item_id": i["item_id"],
+                "content_digest": content_digest(i),
                 "prompt": env.format_prompt(i),
                 "category": i["category"],
                 "difficulty": i["difficulty"],

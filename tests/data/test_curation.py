@@ -24,13 +24,14 @@ def convo(prompt: str, answer: str, tool_turns: int = 0) -> list[dict]:
     return messages
 
 
-def group(item: str, rollouts: list[tuple[list[dict], float]]) -> dict:
+def group(item: str, rollouts: list[tuple[list[dict], float]], content_digest: str | None = None) -> dict:
     return {
         "tokens": [[1]] * len(rollouts),
         "masks": [[1]] * len(rollouts),
         "scores": [s for _, s in rollouts],
         "messages": [m for m, _ in rollouts],
         "meta": {"item_id": item, "env": "tool_use_chain", "category": "todo_report", "difficulty": "easy",
+                 "content_digest": content_digest,
                  "tools": [{"type": "function", "function": {"name": "read_file"}}]},
     }  # fmt: skip
 
@@ -87,6 +88,24 @@ def test_shared_templates_alone_are_not_contamination() -> None:
     evals = [f"Find 3 products in the toys department priced under ${n}" for n in range(30)]
     rows = [group("t", [(convo("Find 3 products in the toys department priced under $99", "ok"), 1.0)])]
     assert len(curate(rows, evals).sft) == 1
+
+
+def test_a_template_a_few_eval_items_share_is_not_contamination_but_their_task_is() -> None:
+    """A held-out set over many slices: each template is in only a few of its items. A task whose
+    text is all template (its files differ) is contaminated only when it is the same task."""
+    templates = [f"Template {t}: " + " ".join(f"w{t}x{i}" for i in range(12)) + " for {p}" for t in range(12)]
+    evals = [template.format(p=f"item p{t}-{k} now") for t, template in enumerate(templates) for k in range(3)]
+    todo = "Collect every TODO comment in the Python files of this repository and write report.md"
+    evals += [todo] * 3  # Three held-out items, their files differ.
+    rows = [
+        group("fresh", [(convo(templates[0].format(p="item p0-99 now"), "ok"), 1.0)]),
+        group("same", [(convo(templates[0].format(p="item p0-1 now"), "ok"), 1.0)]),
+        group("other-files", [(convo(todo, "wrote report.md with 3 rows"), 1.0)], content_digest="b"),
+        group("same-files", [(convo(todo, "found no TODO at all " + LONG), 1.0)], content_digest="a"),
+    ]
+    result = curate(rows, evals, eval_digests={"a"})
+    assert [row["meta"]["item_id"] for row in result.sft] == ["fresh", "other-files"]
+    assert result.removed["contaminated"] == 2  # An eval item's own parameters; an eval item's task.
 
 
 def test_low_spread_groups_are_dropped_when_asked() -> None:
