@@ -177,6 +177,7 @@ PROFILES: dict[str, RoundProfile] = {
         eval_size=200,
         max_turns=16,
         max_tokens=1024,
+        eval_concurrency=256,  # vLLM batches hundreds of requests.
         save_steps=50,
     ),
 }
