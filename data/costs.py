@@ -57,7 +57,8 @@ def cost_metrics() -> dict[str, float]:
     metrics = {"peak_rss_mb": own}
     helpers = [mb for pid in _helpers.get() if (mb := _high_water_mb(Path(f"/proc/{pid}/status"))) is not None]
     if helpers:
-        metrics |= {"server_peak_rss_mb": round(sum(helpers), 1), "total_peak_rss_mb": round(own + sum(helpers), 1)}
+        server = sum(helpers)
+        metrics |= {"server_peak_rss_mb": round(server, 1), "total_peak_rss_mb": round(own + server, 1)}
     return metrics
 
 

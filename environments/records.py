@@ -28,14 +28,17 @@ def group_meta(item: Item, outcomes: list[tuple[AgentResult, float | None]]) -> 
 def task_digest(item: Item) -> str:
     """sha256 (12 hex) of the task as generated (prompt template, files, answer, oracle): two evals
     pair an item only when it is the same task, not merely the same id of a changed task family."""
-    return hashlib.sha256(json.dumps(item, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return _sha12(item)
 
 
 def content_digest(item: Item) -> str:
-    """sha256 (12 hex) of what the task is, without where it was drawn from (id, seed, index): a
-    training item and a held-out item with equal digests are the same task (decontamination)."""
-    task = {k: v for k, v in item.items() if k not in ("item_id", "seed", "index")}
-    return hashlib.sha256(json.dumps(task, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    """`task_digest` without where the task was drawn from (id, seed, index): a training item and a
+    held-out item with equal digests are the same task (decontamination)."""
+    return _sha12({k: v for k, v in item.items() if k not in ("item_id", "seed", "index")})
+
+
+def _sha12(item: Item) -> str:
+    return hashlib.sha256(json.dumps(item, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def eval_sample(item: Item, result: AgentResult, reward: float | None) -> dict[str, Any]:

@@ -167,9 +167,10 @@ def env_draws(envs: list[HermesAgentBaseEnv]) -> Iterator[HermesAgentBaseEnv]:
     """The envs in the order GRPO draws tasks from them: each env's share is the sum of its task mix
     (the curriculum's learnability weights, one scale across envs); an env without a mix gets the
     mean share of those with one (all alike when none has one)."""
-    mixed = [sum(env.config.task_mix.values()) for env in envs if env.config.task_mix is not None]
+    sums = [None if env.config.task_mix is None else sum(env.config.task_mix.values()) for env in envs]
+    mixed = [total for total in sums if total is not None]
     default = statistics.fmean(mixed) if mixed else 1.0
-    shares = [default if env.config.task_mix is None else sum(env.config.task_mix.values()) for env in envs]
+    shares = [default if total is None else total for total in sums]
     return (envs[index] for index in weighted_round_robin(shares))
 
 
