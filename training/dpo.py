@@ -62,12 +62,14 @@ def sample_pairs(
     from training.rollouts import PolicyServer
 
     agents = policy_envs(cfg, envs, model_dir, tokenizer)
-    server = PolicyServer(lambda: model, tokenizer, cfg.top_k, cfg.max_completion_length)
     _, tasks = task_dataset(agents, cfg.num_tasks)
     pairs = []
-    for task in tasks.values():
-        task.env.server = server
-        outcomes = asyncio.run(_group(task, cfg))
+    with PolicyServer(lambda: model, tokenizer, cfg.top_k, cfg.max_completion_length) as server:
+        groups = []
+        for task in tasks.values():
+            task.env.server = server
+            groups.append((task, asyncio.run(_group(task, cfg))))
+    for task, outcomes in groups:
         schemas, _ = task.env._resolve_tools_for_group()
         group = [{"score": reward, "turns": result.turns_used, "messages": result.messages}
                  for result, reward in outcomes if reward is not None and result.messages]  # fmt: skip
@@ -80,7 +82,8 @@ def sample_pairs(
 
 
 async def _group(task: Any, cfg: DPORunConfig) -> list[tuple[Any, float | None]]:
-    return [await task.env.run_agent(task.item, cfg.temperature) for _ in range(cfg.num_rollouts_per_task)]
+    rollouts = (task.env.run_agent(task.item, cfg.temperature) for _ in range(cfg.num_rollouts_per_task))
+    return list(await asyncio.gather(*rollouts))  # Concurrent: the policy server batches them.
 
 
 def run_dpo(

@@ -297,16 +297,17 @@ def _screen(
     per_step = cfg.batch_size * cfg.gradient_accumulation_steps // group
     needed = min(cfg.num_tasks, per_step * cfg.total_steps)
     drawn = env_draws(envs)
-    server = PolicyServer.of_trainer(trainer, cfg.max_completion_length)
 
     def draw() -> Task:
         env = next(drawn)
         return Task(env, asyncio.run(env.get_next_item()))
 
-    def roll(batch: list[Task]) -> list[Outcome]:
-        return asyncio.run(run_rollouts(batch, server, cfg.temperature))
+    with PolicyServer.of_trainer(trainer, cfg.max_completion_length) as server:
 
-    found = screen_tasks(draw, roll, group, needed, max(cfg.screen_tasks, needed))
+        def roll(batch: list[Task]) -> list[Outcome]:
+            return asyncio.run(run_rollouts(batch, server, cfg.temperature))
+
+        found = screen_tasks(draw, roll, group, needed, max(cfg.screen_tasks, needed))
     summary = found.summary()
     logger.info("task screening: %s", json.dumps(summary))
     if not found.kept:

@@ -14,8 +14,10 @@ results and user turns are context). The env's reward goes to the reward functio
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -27,7 +29,7 @@ from environments.messages import messages_with_dict_arguments
 
 @dataclass
 class _Request:
-    """One reply to generate; `new` is filled by whichever thread serves its batch."""
+    """One reply to generate on vLLM; `new` is filled by whichever thread serves its batch."""
 
     prompt_ids: list[int]
     temperature: float
@@ -36,14 +38,25 @@ class _Request:
     error: BaseException | None = None
 
 
+# In-process generation uses transformers' continuous batching (the engine `transformers serve` runs):
+# tokens per forward pass and the KV-cache share of RAM as the CPU server is configured
+# (benchmarks/serve_throughput.py), and 64-token cache pages so that shared prefixes (an env's tool
+# schemas, the earlier turns of a conversation) are read from the cache rather than recomputed.
+PAGED_BATCH_TOKENS = 1024
+PAGED_MEMORY_SHARE = 0.05
+PAGE_TOKENS = 64
+
+
 class PolicyServer:
     """The policy under training as atroposlib's `chat_completion` surface.
 
-    It generates in-process with `model()` (the current weights), or with TRL's vLLM engine when
-    `vllm` is given (TRL pushes the trainer's weights into it before each step's rollouts).
-    Concurrent rollouts' requests are generated together: while one batch generates, the next
-    requests queue, and the thread that gets the model next serves every one waiting (on a CPU a
-    batch of decodes costs little more than one: each step reads the weights once).
+    In-process it generates with transformers' continuous batching on the current weights: no
+    padding, memory bounded by the tokens of one forward pass and a fixed cache pool, and a turn
+    re-reads its conversation's earlier turns from the paged cache. With `vllm` (TRL's engine on
+    CUDA, which gets the trainer's weights before each step's rollouts) concurrent requests are
+    generated together: the thread that gets the engine next serves every request waiting.
+    Use it as a context manager (or `close()` it): closing stops the generation thread and puts
+    the model back in the mode it was in.
     """
 
     def __init__(
@@ -54,9 +67,11 @@ class PolicyServer:
         self.top_k = top_k
         self.max_new_tokens = max_new_tokens
         self.vllm = vllm
-        self._model_lock = threading.Lock()  # One generate at a time: they share the model.
+        self._model_lock = threading.Lock()  # One vLLM generate at a time.
         self._queue_lock = threading.Lock()
         self._queue: list[_Request] = []
+        self._managers: dict[float, Any] = {}  # Temperature -> continuous-batching manager.
+        self._was_training: bool | None = None
 
     @classmethod
     def of_trainer(cls, trainer: Any, max_new_tokens: int) -> PolicyServer:
@@ -69,42 +84,101 @@ class PolicyServer:
             vllm=trainer.vllm_generation if getattr(trainer, "use_vllm", False) else None,
         )
 
-    async def chat_completion(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
-        return await asyncio.to_thread(self._generate, messages, kwargs)
+    def __enter__(self) -> PolicyServer:
+        return self
 
-    def _generate(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> Any:
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the generation threads and restore the model's train/eval mode."""
+        managers, self._managers = list(self._managers.values()), {}
+        for manager in managers:
+            manager.stop(block=True)
+            manager.destroy()
+        if self._was_training is not None:
+            self.model().train(self._was_training)
+            self._was_training = None
+
+    async def chat_completion(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
         prompt = self.tokenizer.apply_chat_template(
             messages_with_dict_arguments(messages), tools=kwargs.get("tools") or None,
             tokenize=False, add_generation_prompt=True,
         )  # fmt: skip
         prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         max_new = min(int(kwargs.get("max_tokens") or self.max_new_tokens), self.max_new_tokens)
-        request = _Request(prompt_ids, float(kwargs.get("temperature", 1.0)), max_new)
+        temperature = float(kwargs.get("temperature", 1.0))
+        if self.vllm is not None:
+            new = await asyncio.to_thread(self._generate_on_vllm, _Request(prompt_ids, temperature, max_new))
+        else:
+            new = await self._generate_paged(prompt_ids, temperature, max_new)
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        message = SimpleNamespace(role="assistant", content=text, tool_calls=None)
+        usage = SimpleNamespace(prompt_tokens=len(prompt_ids), completion_tokens=len(new))
+        return SimpleNamespace(choices=[SimpleNamespace(message=message, finish_reason="stop")], usage=usage)
+
+    async def _generate_paged(self, prompt_ids: list[int], temperature: float, max_new: int) -> list[int]:
+        """One reply from the continuous-batching manager, ending at its first end-of-sequence token."""
+        manager, stops = self._manager(temperature), _eos_ids(self.model(), self.tokenizer)
+        finished: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+        def deliver(output: Any) -> None:
+            if output.is_finished() and not finished.done():
+                finished.set_result(output)
+
+        request_id = uuid.uuid4().hex
+        manager.register_result_handler(request_id, deliver)  # Before the request: its result cannot come first.
+        if manager.add_request(prompt_ids, request_id=request_id, max_new_tokens=max_new,
+                               eos_token_id=sorted(stops)) is None:  # fmt: skip
+            raise RuntimeError("the policy's generation loop refused the request (stopped)")
+        output = await finished
+        if output.error is not None:
+            raise RuntimeError(f"policy generation failed: {output.error}")
+        return _up_to_first(list(output.generated_tokens)[:max_new], stops)
+
+    def _manager(self, temperature: float) -> Any:
+        """The continuous-batching manager sampling at `temperature`, started on first use."""
+        if temperature in self._managers:
+            return self._managers[temperature]
+        import torch
+        from transformers import ContinuousBatchingConfig
+
+        model = self.model()
+        if self._was_training is None:
+            self._was_training = model.training
+        config = copy.deepcopy(model.generation_config)
+        config.update(max_new_tokens=self.max_new_tokens, eos_token_id=sorted(_eos_ids(model, self.tokenizer)))
+        if temperature > 0:
+            config.update(do_sample=True, temperature=temperature, top_k=self.top_k or None)
+        else:
+            config.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        paging = ContinuousBatchingConfig(
+            page_size=PAGE_TOKENS, max_batch_tokens=PAGED_BATCH_TOKENS, max_memory_percent=PAGED_MEMORY_SHARE
+        )
+        manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=paging)
+        with torch.inference_mode():  # The generation thread runs in the mode it was started in.
+            manager.start()
+        self._managers[temperature] = manager
+        return manager
+
+    def _generate_on_vllm(self, request: _Request) -> list[int]:
         with self._queue_lock:
             self._queue.append(request)
         with self._model_lock:
             if request.new is None and request.error is None:  # Not served yet: serve every request waiting.
                 with self._queue_lock:
                     waiting, self._queue = self._queue, []
-                self._serve(waiting)
+                self._serve_on_vllm(waiting)
         if request.error is not None:
             raise request.error
-        new = request.new or []
-        text = self.tokenizer.decode(new, skip_special_tokens=True)
-        message = SimpleNamespace(role="assistant", content=text, tool_calls=None)
-        usage = SimpleNamespace(prompt_tokens=len(prompt_ids), completion_tokens=len(new))
-        return SimpleNamespace(choices=[SimpleNamespace(message=message, finish_reason="stop")], usage=usage)
+        return request.new or []
 
-    def _serve(self, requests: list[_Request]) -> None:
+    def _serve_on_vllm(self, requests: list[_Request]) -> None:
         """Generate every request, one batch per temperature."""
         for temperature in sorted({r.temperature for r in requests}):
             batch = [r for r in requests if r.temperature == temperature]
-            prompts = [r.prompt_ids for r in batch]
             try:
-                if self.vllm is not None:
-                    outputs = [list(ids) for ids in self.vllm.generate(prompts, None, 1)[1]]
-                else:
-                    outputs = self._generate_in_process(prompts, temperature, max(r.max_new for r in batch))
+                outputs = [list(ids) for ids in self.vllm.generate([r.prompt_ids for r in batch], None, 1)[1]]
             except BaseException as error:  # Every request of the batch fails with it, none silently empty.
                 for request in batch:
                     request.error = error
@@ -112,31 +186,11 @@ class PolicyServer:
             for request, new in zip(batch, outputs, strict=True):
                 request.new = new[: request.max_new]
 
-    def _generate_in_process(self, prompts: list[list[int]], temperature: float, max_new: int) -> list[list[int]]:
-        """Left-padded batch generation; each row's reply ends at its first end-of-sequence token."""
-        import torch
 
-        model = self.model()
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        width = max(len(p) for p in prompts)
-        inputs = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
-        with torch.no_grad():
-            output = model.generate(
-                input_ids=inputs,
-                attention_mask=mask,
-                do_sample=temperature > 0,
-                temperature=temperature if temperature > 0 else None,
-                top_k=self.top_k or None,
-                max_new_tokens=max_new,
-                pad_token_id=pad,
-            )
-        stops = _eos_ids(model, self.tokenizer)
-        replies = []
-        for row in output[:, width:].tolist():
-            end = next((i + 1 for i, token in enumerate(row) if token in stops), len(row))
-            replies.append(row[:end])
-        return replies
+def _up_to_first(tokens: list[int], stops: set[int]) -> list[int]:
+    """The reply up to and including its first end-of-sequence token."""
+    end = next((i + 1 for i, token in enumerate(tokens) if token in stops), len(tokens))
+    return tokens[:end]
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -175,11 +229,11 @@ def agent_rollout_func(
     """
 
     def rollout(prompts: list[list[dict[str, Any]]], trainer: Any) -> dict[str, list[Any]]:
-        server = PolicyServer.of_trainer(trainer, max_completion_length)
         batch = [tasks[prompt_key(prompt)] for prompt in prompts]
         reused = [_pop_screened(screened, prompt, trainer) for prompt in prompts]
         to_roll = [task for task, done in zip(batch, reused, strict=True) if done is None]
-        fresh = iter(asyncio.run(run_rollouts(to_roll, server, temperature)))
+        with PolicyServer.of_trainer(trainer, max_completion_length) as server:
+            fresh = iter(asyncio.run(run_rollouts(to_roll, server, temperature)) if to_roll else [])
         outcomes = [r if r is not None else next(fresh) for r in reused]
         stops = set(getattr(trainer, "eos_token_ids", None) or [trainer.processing_class.eos_token_id])
         out: dict[str, Any] = {k: [] for k in ("prompt_ids", "completion_ids", "env_mask")}

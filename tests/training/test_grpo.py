@@ -24,7 +24,7 @@ from training.grpo import (
     policy_envs,
     task_dataset,
 )
-from training.rollouts import agent_rollout_func
+from training.rollouts import PolicyServer, agent_rollout_func
 from training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
 
 os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
@@ -88,21 +88,50 @@ def test_grpo_improves_a_toy_reward(tiny_model: Path, tmp_path: Path) -> None:
     assert any(m.get("kl", 0) > 0 for m in run.read_metrics())  # beta > 0: the KL term is live.
 
 
-def _script_generation(model, tokenizer, reply) -> None:  # type: ignore[no-untyped-def]
-    """Make `generate` write `reply(conversation so far)` for each row.
+class ScriptedPolicy:
+    """Stands in for transformers' continuous-batching manager: each request's reply is
+    `reply(conversation so far)` (everything else, the env loop, tools, verifier and the trainer, is
+    real). Records the prompts asked for and the most requests that were in flight at once."""
 
-    The tiny random model cannot write a valid tool call; scripting only its sampling keeps the rest
-    real (the env's own agent loop, tools, sandbox and verifier; log-probs from the model's forward pass).
-    """
+    def __init__(self, tokenizer, reply) -> None:  # type: ignore[no-untyped-def]
+        self.tokenizer, self.reply = tokenizer, reply
+        self.prompts: list[list[int]] = []
+        self.in_flight = self.most_in_flight = 0
+        self.handlers: dict[str, object] = {}
 
-    def generate(input_ids, attention_mask=None, **_):  # type: ignore[no-untyped-def]
-        tails = [tokenizer.encode(reply(tokenizer.decode(row)) + "<|im_end|>", add_special_tokens=False)
-                 for row in input_ids]  # fmt: skip
-        width = max(len(t) for t in tails)
-        padded = [t + [tokenizer.pad_token_id] * (width - len(t)) for t in tails]
-        return torch.cat([input_ids, torch.tensor(padded, dtype=input_ids.dtype)], dim=1)
+    def start(self) -> None: ...
 
-    model.generate = generate
+    def stop(self, block: bool = True) -> None: ...
+
+    def destroy(self) -> None: ...
+
+    def register_result_handler(self, request_id: str, callback) -> None:  # type: ignore[no-untyped-def]
+        self.handlers[request_id] = (callback, asyncio.get_running_loop())
+
+    def add_request(self, input_ids: list[int], request_id: str, max_new_tokens: int, **_) -> str:  # type: ignore[no-untyped-def]
+        from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+        self.prompts.append(list(input_ids))
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        text = self.reply(self.tokenizer.decode(input_ids)) + "<|im_end|>"
+        tokens = self.tokenizer.encode(text, add_special_tokens=False)[:max_new_tokens]
+        output = GenerationOutput(request_id, list(input_ids), tokens, status=RequestStatus.FINISHED)
+        callback, loop = self.handlers.pop(request_id)
+
+        def deliver() -> None:
+            self.in_flight -= 1
+            callback(output)
+
+        loop.call_soon_threadsafe(deliver)
+        return request_id
+
+
+def _script_generation(model, tokenizer, reply) -> ScriptedPolicy:  # type: ignore[no-untyped-def]
+    """Make the policy's in-process generation write `reply(conversation so far)` for each request."""
+    scripted = ScriptedPolicy(tokenizer, reply)
+    model.init_continuous_batching = lambda **_: scripted
+    return scripted
 
 
 def _list_then_finish(conversation: str) -> str:
@@ -254,3 +283,28 @@ def test_grpo_draws_each_env_by_its_curriculum_share(tiny_model: Path) -> None:
         policy_envs(
             GRPORunConfig(envs=["file_stats"], task_mix={"file_stats": {"a/easy": 0.0}}), None, tiny_model, tokenizer
         )
+
+
+def test_the_policy_server_generates_as_generate_does_and_restores_the_model(tiny_model: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
+    conversations = [[{"role": "user", "content": f"Count to {n}."}] for n in range(3)]
+    expected = []
+    for messages in conversations:
+        ids = torch.tensor([tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)])
+        with torch.no_grad():
+            out = model.generate(ids, do_sample=False, max_new_tokens=12, pad_token_id=tokenizer.pad_token_id)
+        expected.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+
+    async def ask(server: PolicyServer) -> list:
+        return await asyncio.gather(*(server.chat_completion(m, temperature=0.0) for m in conversations))
+
+    with PolicyServer(lambda: model, tokenizer, top_k=0, max_new_tokens=12) as server:
+        replies = asyncio.run(ask(server))
+        sampled = asyncio.run(server.chat_completion(conversations[0], temperature=1.0, max_tokens=5))
+        assert not model.training  # Generation runs in eval mode...
+    assert model.training  # ...and closing puts the model back.
+    assert [r.choices[0].message.content for r in replies] == expected  # Paged, concurrent: same greedy replies.
+    assert 1 <= sampled.usage.completion_tokens <= 5

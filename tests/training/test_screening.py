@@ -114,10 +114,7 @@ def test_grpo_step_one_trains_on_the_screened_groups(tiny_model: Path, tmp_path:
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    _script_generation(model, tokenizer, _count_lines_by_coin(random.Random(3)))
-    calls = []
-    scripted = model.generate
-    model.generate = lambda **kw: calls.append(kw["input_ids"].shape[0]) or scripted(**kw)
+    scripted = _script_generation(model, tokenizer, _count_lines_by_coin(random.Random(3)))
     cfg = GRPORunConfig(envs=["file_stats"], total_steps=1, batch_size=4, num_rollouts_per_task=2, device="cpu",
                         max_tool_calls=3, max_completion_length=512, temperature=0.7, screen_tasks=12)  # fmt: skip
     envs = policy_envs(cfg, None, tiny_model, tokenizer)
@@ -132,11 +129,11 @@ def test_grpo_step_one_trains_on_the_screened_groups(tiny_model: Path, tmp_path:
     summary = screen_into(trainer, cfg, envs, tasks, screened, run, resume=None)
     assert summary["kept"] == 2 and 2 <= summary["screened"] <= 12
     assert len(trainer.train_dataset) == 2 and set(tasks) == set(screened)
-    assert sum(calls) > 0  # Screening generated with the policy (batched: rows per generate call)...
-    assert max(calls) > 1
-    calls.clear()
+    asked = len(scripted.prompts)
+    assert asked > 0  # Screening generated with the policy (its rollouts concurrently)...
+    assert scripted.most_in_flight > 1
     trainer.train()
-    assert calls == []  # ...and step 1 reused those groups instead of generating again.
+    assert len(scripted.prompts) == asked  # ...and step 1 reused those groups instead of generating again.
     step = next(m for m in run.read_metrics() if "reward" in m)
     assert step["frac_reward_zero_std"] == 0.0  # Every group of the step carries signal.
     assert step["completions/clipped_ratio"] == 0.0  # Conversations end at their last end-of-turn token.
