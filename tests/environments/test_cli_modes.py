@@ -17,6 +17,13 @@ from inference import ModelServer, ServerConfig, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV_FILES = ["tool_use_chain", "web_navigation", "swe_bench", "long_horizon"]
+# The stratified sample: every env runs one mode and every mode two envs (each a subprocess of
+# ~25 s); the full cross product runs under `-m sweep`.
+SAMPLED = {"process": ["tool_use_chain", "swe_bench"], "evaluate": ["web_navigation", "long_horizon"]}
+
+
+def sampled(mode: str) -> list:
+    return [name if name in SAMPLED[mode] else pytest.param(name, marks=pytest.mark.sweep) for name in ENV_FILES]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +53,7 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("env_file", ENV_FILES)
+@pytest.mark.parametrize("env_file", sampled("process"))
 def test_process_writes_scored_groups(
     env_file: str, tiny_server: ModelServer, tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -68,7 +75,7 @@ def test_process_writes_scored_groups(
     assert stats["groups_written"] == 2 and stats["infra_failures"] == 0
 
 
-@pytest.mark.parametrize("env_file", ENV_FILES)
+@pytest.mark.parametrize("env_file", sampled("evaluate"))
 def test_evaluate_writes_metrics_and_samples(
     env_file: str, tiny_server: ModelServer, tiny_model: Path, tmp_path: Path
 ) -> None:
