@@ -86,6 +86,7 @@ def run_stage(stage: str, params: StageParams, dispatch: Dispatch = "local") -> 
         parameters={"params": params.model_dump(mode="json")},
         tags=run_tags,
         timeout=None,  # Wait as long as the stage runs; its own deployment sets any time limit.
+        poll_interval=1,  # Prefect's default (5 s) idles 2.5 s on average after every stage ends.
     )
     if flow_run.state is None or not flow_run.state.is_completed():
         state = flow_run.state.name if flow_run.state else "unknown"

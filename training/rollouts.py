@@ -131,7 +131,11 @@ class PolicyServer:
         if manager.add_request(prompt_ids, request_id=request_id, max_new_tokens=max_new,
                                eos_token_id=sorted(stops)) is None:  # fmt: skip
             raise RuntimeError("the policy's generation loop refused the request (stopped)")
-        output = await finished
+        try:
+            output = await finished
+        except asyncio.CancelledError:
+            manager.cancel_request(request_id)  # A cancelled rollout's reply is not generated on.
+            raise
         if output.error is not None:
             raise RuntimeError(f"policy generation failed: {output.error}")
         return _up_to_first(list(output.generated_tokens)[:max_new], stops)
