@@ -72,6 +72,7 @@ class PolicyServer:
         self._queue: list[_Request] = []
         self._managers: dict[float, Any] = {}  # Temperature -> continuous-batching manager.
         self._was_training: bool | None = None
+        self._stops: set[int] = set()  # End-of-reply token ids, found when the first manager starts.
 
     @classmethod
     def of_trainer(cls, trainer: Any, max_new_tokens: int) -> PolicyServer:
@@ -119,7 +120,7 @@ class PolicyServer:
 
     async def _generate_paged(self, prompt_ids: list[int], temperature: float, max_new: int) -> list[int]:
         """One reply from the continuous-batching manager, ending at its first end-of-sequence token."""
-        manager, stops = self._manager(temperature), _eos_ids(self.model(), self.tokenizer)
+        manager = self._manager(temperature)
         finished: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
         def deliver(output: Any) -> None:
@@ -128,8 +129,7 @@ class PolicyServer:
 
         request_id = uuid.uuid4().hex
         manager.register_result_handler(request_id, deliver)  # Before the request: its result cannot come first.
-        if manager.add_request(prompt_ids, request_id=request_id, max_new_tokens=max_new,
-                               eos_token_id=sorted(stops)) is None:  # fmt: skip
+        if manager.add_request(prompt_ids, request_id=request_id, max_new_tokens=max_new) is None:
             raise RuntimeError("the policy's generation loop refused the request (stopped)")
         try:
             output = await finished
@@ -138,7 +138,7 @@ class PolicyServer:
             raise
         if output.error is not None:
             raise RuntimeError(f"policy generation failed: {output.error}")
-        return _up_to_first(list(output.generated_tokens)[:max_new], stops)
+        return _up_to_first(list(output.generated_tokens)[:max_new], self._stops)
 
     def _manager(self, temperature: float) -> Any:
         """The continuous-batching manager sampling at `temperature`, started on first use."""
@@ -150,8 +150,9 @@ class PolicyServer:
         model = self.model()
         if self._was_training is None:
             self._was_training = model.training
+        self._stops = _eos_ids(model, self.tokenizer)
         config = copy.deepcopy(model.generation_config)
-        config.update(max_new_tokens=self.max_new_tokens, eos_token_id=sorted(_eos_ids(model, self.tokenizer)))
+        config.update(max_new_tokens=self.max_new_tokens, eos_token_id=sorted(self._stops))
         if temperature > 0:
             config.update(do_sample=True, temperature=temperature, top_k=self.top_k or None)
         else:
