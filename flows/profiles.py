@@ -68,7 +68,10 @@ class RoundProfile(BaseModel):
     sft_gradient_accumulation: int = Field(
         default=1, ge=1, description="SFT micro-batches per step (a step sees batch size x this conversations)."
     )
-    rl_batch_size: int = Field(default=4, ge=1, description="GRPO completions per device per step.")
+    rl_batch_size: int = Field(default=4, ge=1, description="GRPO completions per device per micro-batch.")
+    rl_gradient_accumulation: int = Field(
+        default=1, ge=1, description="GRPO micro-batches per step (a step trains on batch size x this completions)."
+    )
     rl_group_size: int = Field(default=2, ge=2, description="GRPO rollouts per task (the group).")
     rl_tasks: int = Field(default=16, ge=1, description="Distinct GRPO training tasks.")
     rl_screen: int = Field(
@@ -127,6 +130,8 @@ PROFILES: dict[str, RoundProfile] = {
         sft_batch_size=1,  # 4 conversations a step, one at a time: a quarter of the activation memory, no padding.
         sft_gradient_accumulation=4,
         sft_steps=6,
+        rl_batch_size=1,  # 4 completions a step, one at a time: the backward's activations of one, not four.
+        rl_gradient_accumulation=4,
         rl_screen=8,  # After SFT, GRPO trains on the tasks the policy solves only sometimes.
         rl_max_completion=384,
         eval_size=10,

@@ -185,6 +185,7 @@ def rl_config(params: RLParams) -> GRPORunConfig:
         screen_tasks=p.rl_screen if p.gpus <= 1 else 0,  # Screening runs in one process.
         total_steps=p.rl_steps,
         batch_size=p.rl_batch_size,
+        gradient_accumulation_steps=p.rl_gradient_accumulation,
         num_rollouts_per_task=p.rl_group_size,
         max_completion_length=p.rl_max_completion,
         max_tool_calls=p.max_turns - 1,  # The turns and per-turn tokens evaluation gives: train as judged.

@@ -147,9 +147,10 @@ class RunnerConfig(TrainConfig):
         problems = []
         if self.kl_beta < MIN_KL_BETA and not self.allow_low_kl:
             problems.append(f"kl_beta={self.kl_beta} is below {MIN_KL_BETA}; raise it or set allow_low_kl=true")
-        if self.batch_size % self.num_rollouts_per_task:
+        if (self.batch_size * self.gradient_accumulation_steps) % self.num_rollouts_per_task:
             problems.append(
-                f"batch_size={self.batch_size} must be a multiple of num_rollouts_per_task={self.num_rollouts_per_task}"
+                f"batch_size={self.batch_size} x gradient_accumulation_steps={self.gradient_accumulation_steps} "
+                f"(one step's completions) must be a multiple of num_rollouts_per_task={self.num_rollouts_per_task}"
             )
         unknown = [e for e in self.envs if not is_env_spec(e)]
         if unknown:

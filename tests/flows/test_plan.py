@@ -74,3 +74,15 @@ def test_plan_cli_prints_json_and_rejects_unknown_names() -> None:
     assert_one_line_error(run("plan", "--device", "tpu"), "unknown device 'tpu'")
     with pytest.raises(ConfigError, match="unknown profile"):
         round_plan("laptop")
+
+
+def test_grpo_accumulates_micro_batches_so_a_group_may_span_them() -> None:
+    """The default round trains GRPO one completion at a time (a quarter of the backward's activations):
+    the group constraint is on a step's completions, not on a micro-batch."""
+    p = PROFILES["default"]
+    cfg = work.rl_config(work.RLParams(profile=p, policy="b", round_no=1))
+    args = cfg.trainer_kwargs("out")
+    assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (1, 4)
+    assert cfg.problems() == []
+    odd = cfg.model_copy(update={"gradient_accumulation_steps": 3})
+    assert any("must be a multiple of num_rollouts_per_task=2" in problem for problem in odd.problems())

@@ -37,7 +37,8 @@ def test_config_validation_reports_every_problem(tmp_path: Path) -> None:
         load_config(GRPORunConfig, path)
     message = str(err.value)
     assert "kl_beta=0.001 is below 0.01; raise it or set allow_low_kl=true" in message
-    assert "batch_size=3 must be a multiple" in message and "unknown envs ['atari']" in message
+    assert "batch_size=3 x gradient_accumulation_steps=1 (one step's completions) must be a multiple" in message
+    assert "unknown envs ['atari']" in message
     cfg = load_config(GRPORunConfig, path, ["allow_low_kl=true", "batch_size=4", "envs=[swe_bench]"])
     assert cfg.kl_beta == 0.001 and cfg.envs == ["swe_bench"]
     with pytest.raises(ConfigError, match="unknown field"):
@@ -224,9 +225,10 @@ def test_run_grpo_stores_a_checkpoint_with_lineage(
 ) -> None:
     from training.grpo import run_grpo
 
-    cfg = GRPORunConfig(
+    cfg = GRPORunConfig(  # One completion per micro-batch: the group spans two (as the default round trains).
         total_steps=1,
-        batch_size=2,
+        batch_size=1,
+        gradient_accumulation_steps=2,
         num_rollouts_per_task=2,
         max_completion_length=24,
         num_tasks=2,
