@@ -231,7 +231,11 @@ def run_grpo(
         ],
     )  # fmt: skip
     screening = screen_into(trainer, cfg, agents, tasks, screened, run, resume) if cfg.screen_tasks else {}
-    stopped = train(trainer, resume)
+    skipped = {}
+    if screening.get("kept") == 0:  # Only flat groups: zero advantages and no KL yet, so a step changes nothing.
+        skipped = {"skipped": "no screened task gave differing rewards: the policy is stored untrained"}
+        logger.warning("%s: GRPO skipped, %s", cfg.output_name, skipped["skipped"])
+    stopped = None if skipped else train(trainer, resume)
     logged = run.read_metrics()
     rewards = [m["reward"] for m in logged if "reward" in m]
     return finish(
@@ -242,6 +246,7 @@ def run_grpo(
         zero_std_share=statistics.fmean(m["frac_reward_zero_std"] for m in logged if "frac_reward_zero_std" in m)
         if rewards else None,
         **({"screening": screening} if screening else {}),
+        **skipped,
     )  # fmt: skip
 
 
@@ -313,7 +318,7 @@ def _screen(
     if not found.kept:
         logger.warning(
             "task screening: none of %d screened tasks gave differing rewards (all solved or all failed): "
-            "GRPO will learn nothing from them; widen the slices or start from another policy",
+            "GRPO would learn nothing from them, so it will not train; widen the slices or start from another policy",
             summary["screened"],
         )
     # A step needs `per_step` distinct tasks: flat ones fill in when too few were kept.

@@ -248,6 +248,30 @@ def test_run_grpo_stores_a_checkpoint_with_lineage(
     assert step["tokens_per_second"] > 0 and 0 <= step["frac_reward_zero_std"] <= 1 and "kl" in step
 
 
+def test_grpo_does_not_train_when_screening_finds_no_signal(
+    model_store: ArtifactStore, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every screened group flat (here: every rollout fails): a step would have zero advantages, so the
+    policy is stored as it came, after screening only, and the checkpoint says why."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, PreTrainedModel
+
+    from training.grpo import run_grpo
+
+    scripted = ScriptedPolicy(AutoTokenizer.from_pretrained(tiny_model), lambda conversation: "I do not know.")
+    monkeypatch.setattr(PreTrainedModel, "init_continuous_batching", lambda self, **_: scripted, raising=False)
+    cfg = GRPORunConfig(total_steps=2, batch_size=1, gradient_accumulation_steps=2, num_rollouts_per_task=2,
+                        screen_tasks=3, max_completion_length=24, max_tool_calls=1, difficulty="easy",
+                        logs_root=str(tmp_path), output_name="rl-flat")  # fmt: skip
+    manifest = run_grpo(cfg, model_store)
+    assert len(scripted.prompts) == 6  # Three tasks screened, two rollouts each; nothing generated after.
+    assert manifest.metrics["steps"] == 0 and "no screened task gave differing rewards" in manifest.metrics["skipped"]
+    assert manifest.metrics["screening"]["kept"] == 0
+    stored = load_file(model_store.get(manifest.id, tmp_path / "out") / "model.safetensors")
+    before = load_file(tiny_model / "model.safetensors")
+    assert stored.keys() == before.keys() and all(torch.equal(stored[k], before[k]) for k in before)
+
+
 def test_grpo_vllm_generation_server_command(tiny_model: Path) -> None:
     from inference import ServerConfig, build_command
     from training.grpo import GRPO_VLLM_SERVER_ARGS, GRPO_VLLM_SERVER_ENV
