@@ -2,7 +2,10 @@
 
 Inside `track_costs()`, every `ArtifactStore.put` adds `peak_rss_mb` to the artifact's metrics:
 the process's high-water mark (Linux `VmHWM`) since the block began, which resets it through
-`/proc/self/clear_refs`. A helper process the stage started (a model server) is counted inside
+`/proc/self/clear_refs`, after handing what earlier stages freed back to the system
+(`gc.collect()`, glibc's `malloc_trim`: freed tensors otherwise stay resident in the allocator's
+heap, and a stage run in the same process would start from, and be charged for, their pages).
+A helper process the stage started (a model server) is counted inside
 `counting_process(pid)`: `server_peak_rss_mb` is its own high-water mark, and `total_peak_rss_mb`
 the sum of both (an upper bound on what the stage held at once). `accelerate launch` workers and
 vLLM engines are not counted.
@@ -11,6 +14,8 @@ vLLM engines are not counted.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 from collections.abc import Iterator
 from contextvars import ContextVar
 from pathlib import Path
@@ -24,6 +29,7 @@ _STATUS, _CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
 def track_costs() -> Iterator[None]:
     """Measure peak memory from here: every artifact put inside records it (where the peak can be
     reset; elsewhere nothing is recorded rather than the whole process's peak under the stage's name)."""
+    release_freed_memory()
     try:
         _CLEAR_REFS.write_text("5")  # Resets VmHWM to the current RSS.
         reset = True
@@ -34,6 +40,13 @@ def track_costs() -> Iterator[None]:
         yield
     finally:
         _tracking.reset(token)
+
+
+def release_freed_memory() -> None:
+    """Collect unreachable objects and return the allocator's free pages to the system (glibc only)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # Not glibc (musl, macOS): nothing to trim this way.
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 @contextlib.contextmanager

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from data import ArtifactStore
 from data.costs import counting_process, track_costs
 
@@ -13,12 +15,32 @@ def test_an_artifact_records_the_peak_memory_of_its_stage(tmp_path) -> None:
         before = store.put("dataset", "light", {"x": b"1"}).metrics["peak_rss_mb"]
     with track_costs():
         ballast = bytearray(300 * 1024 * 1024)  # Touched: 300 MB resident.
-        ballast[:: 4096] = b"\1" * len(ballast[:: 4096])
+        ballast[::4096] = b"\1" * len(ballast[::4096])
         del ballast
         heavy = store.put("dataset", "heavy", {"x": b"1"}).metrics["peak_rss_mb"]
     assert heavy >= before + 250, (before, heavy)
     with track_costs():  # The peak was reset: the freed ballast does not count for the next stage.
         assert store.put("dataset", "after", {"x": b"1"}).metrics["peak_rss_mb"] < heavy - 250
+
+
+def _rss_mb() -> float:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def test_memory_an_earlier_stage_freed_is_not_charged_to_the_next(tmp_path) -> None:
+    """Freed heap memory stays resident until handed back: a stage starts from a trimmed baseline."""
+    store = ArtifactStore(tmp_path)
+    chunks = [bytearray(100 * 1024) for _ in range(3000)]  # ~300 MB of heap chunks (below malloc's mmap threshold).
+    for chunk in chunks:
+        chunk[::4096] = b"\1" * len(chunk[::4096])
+    pin = bytearray(100 * 1024)  # Above them: the space they free is not at the heap's top, so free() keeps it.
+    del chunks
+    freed_but_resident = _rss_mb()
+    with track_costs():
+        peak = store.put("dataset", "next", {"x": b"1"}).metrics["peak_rss_mb"]
+    assert peak < freed_but_resident - 200, (freed_but_resident, peak)
+    del pin
 
 
 def test_a_counted_helper_process_adds_its_own_peak(tmp_path) -> None:
