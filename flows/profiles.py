@@ -27,7 +27,9 @@ class RoundProfile(BaseModel):
     )
     sft_steps: int = Field(default=8, ge=1, description="SFT steps.")
     sft_lr: float = Field(default=2e-4, gt=0, description="SFT learning rate.")
-    sft_max_length: int = Field(default=1280, ge=64, description="SFT tokens per conversation (whole trajectories).")
+    sft_max_length: int = Field(
+        default=2048, ge=64, description="SFT tokens per conversation (a longer one is left out, not cut)."
+    )
     rl_steps: int = Field(default=2, ge=1, description="GRPO steps.")
     rl_max_completion: int = Field(default=128, ge=16, description="GRPO tokens per rollout, tool output included.")
     eval_size: int = Field(default=8, ge=1, description="Held-out agentic tasks per env (stratified over slices).")

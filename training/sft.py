@@ -37,7 +37,11 @@ class SFTRunConfig(TrainConfig):
     learning_rate: float = Field(default=5e-5, gt=0, description="Peak learning rate.")
     batch_size: int = Field(default=8, ge=1, description="Per-device batch size.")
     total_steps: int = Field(default=20, ge=1, description="Optimizer steps.")
-    max_length: int = Field(default=1024, ge=16, description="Tokens per example (longer ones are truncated).")
+    max_length: int = Field(default=1024, ge=16, description="Tokens per example (see `overlong`).")
+    overlong: Literal["drop", "truncate"] = Field(
+        default="drop",
+        description="A longer example: left out (a cut multi-turn conversation never shows its answer), or cut.",
+    )
     output_name: str = Field(default="sft", description="Name of the checkpoint artifact.")
 
 
@@ -55,10 +59,14 @@ def load_rows(store: ArtifactStore, dataset: str) -> tuple[list[dict[str, Any]],
     return rows, parent
 
 
-def tokenize_rows(tokenizer: Any, rows: list[dict[str, Any]], template: str, max_length: int) -> dict[str, list]:
-    """`input_ids` and `assistant_masks` (1 on assistant tokens) for each conversation."""
-    ids, masks = [], []
-    cut = lost = 0
+def tokenize_rows(
+    tokenizer: Any, rows: list[dict[str, Any]], template: str, max_length: int, overlong: str = "drop"
+) -> dict[str, list]:
+    """`input_ids` and `assistant_masks` (1 on assistant tokens) of each conversation.
+
+    One longer than `max_length` is left out (`drop`): cut, it would teach the first turns of a
+    task and never its end, where a multi-turn agent's answer is. `truncate` cuts it instead."""
+    ids, masks, too_long = [], [], []
     for row in rows:
         tools = json.loads(row["tools"]) if isinstance(row.get("tools"), str) else row.get("tools")
         out = tokenizer.apply_chat_template(
@@ -69,14 +77,19 @@ def tokenize_rows(tokenizer: Any, rows: list[dict[str, Any]], template: str, max
             return_dict=True,
             return_assistant_tokens_mask=True,
         )
+        if len(out["input_ids"]) > max_length:
+            too_long.append(sum(out["assistant_masks"][max_length:]))
+            if overlong == "drop":
+                continue
         ids.append(list(out["input_ids"])[:max_length])
         masks.append(list(out["assistant_masks"])[:max_length])
-        lost += sum(out["assistant_masks"][max_length:])
-        cut += len(out["input_ids"]) > max_length
-    if cut:  # Truncation silently drops the later turns a multi-turn agent most needs to learn.
+    if not ids:
+        raise ValueError(f"none of {len(rows)} conversations fits max_length={max_length}: raise max_length")
+    if too_long:
         logger.warning(
-            "%d of %d conversations exceed max_length=%d: %d assistant tokens are not trained; raise max_length",
-            cut, len(rows), max_length, lost,
+            "%d of %d conversations exceed max_length=%d: %s; raise max_length to train on all of them",
+            len(too_long), len(rows), max_length,
+            "they are left out" if overlong == "drop" else f"{sum(too_long)} assistant tokens are cut off",
         )  # fmt: skip
     return {"input_ids": ids, "assistant_masks": masks}
 
@@ -129,7 +142,8 @@ def run_sft(cfg: SFTRunConfig, store: ArtifactStore, callbacks: list[Any] | None
     model_dir = resolve_model(cfg.policy_model, store)
     rows, dataset_id = load_rows(store, cfg.dataset)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    data = Dataset.from_dict(tokenize_rows(tokenizer, rows, training_template(model_dir, tokenizer), cfg.max_length))
+    template = training_template(model_dir, tokenizer)
+    data = Dataset.from_dict(tokenize_rows(tokenizer, rows, template, cfg.max_length, cfg.overlong))
     run = RunDir(cfg.logs_root, cfg.output_name)
     parents = model_parents(store, cfg.policy_model, dataset_id)
     trainer = SFTTrainer(
@@ -148,6 +162,7 @@ def run_sft(cfg: SFTRunConfig, store: ArtifactStore, callbacks: list[Any] | None
         first_loss=losses[0] if losses else None,
         final_loss=losses[-1] if losses else None,
         train_examples=len(data),
+        left_out_examples=len(rows) - len(data),
         tokens_processed=tokens,
         device_count=max(1, torch.cuda.device_count()) if settings.device == "cuda" else 1,
     )  # fmt: skip

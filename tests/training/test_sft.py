@@ -49,21 +49,32 @@ def test_assistant_mask_decodes_to_exactly_the_assistant_turns(tiny_model: Path)
     assert '"name": "add"' in dropped  # The tool schema is in the (unmasked) system turn.
 
 
-def test_truncating_assistant_turns_is_a_warning(tiny_model: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A max_length that cuts the later turns trains only the first tool call: say so, with figures."""
+def test_a_conversation_longer_than_max_length_is_left_out_or_cut_with_figures(
+    tiny_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Cut at max_length, a conversation would teach its first tool call and never its answer: by default it
+    is left out; `truncate` cuts it; either way the warning says so, and when none fits the error says what
+    to raise."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    rows = [conversation(2, 3) | {"tools": TOOLS}] * 2
+    short, long = conversation(2, 3) | {"tools": TOOLS}, conversation(123456, 654321) | {"tools": TOOLS}
     template = training_template(tiny_model, tokenizer)
-    full = len(tokenize_rows(tokenizer, rows[:1], template, 4096)["input_ids"][0])
+    fits = len(tokenize_rows(tokenizer, [short], template, 4096)["input_ids"][0])
     with caplog.at_level("WARNING", logger="training.sft"):
-        tokenize_rows(tokenizer, rows, template, full - 3)
-    assert "2 of 2 conversations exceed max_length" in caplog.text and "raise max_length" in caplog.text
+        out = tokenize_rows(tokenizer, [long, short, long], template, fits)
+    assert out["input_ids"] == tokenize_rows(tokenizer, [short], template, fits)["input_ids"]
+    assert "2 of 3 conversations exceed max_length" in caplog.text and "left out" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="training.sft"):
-        tokenize_rows(tokenizer, rows, template, full)
+        cut = tokenize_rows(tokenizer, [long, short], template, fits, overlong="truncate")
+    assert [len(ids) for ids in cut["input_ids"]] == [fits, fits] and "assistant tokens are cut off" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="training.sft"):
+        tokenize_rows(tokenizer, [short], template, fits)
     assert caplog.text == ""
+    with pytest.raises(ValueError, match=f"none of 1 conversations fits max_length={fits - 1}: raise max_length"):
+        tokenize_rows(tokenizer, [short], template, fits - 1)
 
 
 @pytest.fixture
