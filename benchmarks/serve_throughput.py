@@ -2,10 +2,12 @@
 agentic evaluation sends (a held-out task's first turn: system prompt, tool schemas, task).
 
 Run: .venv/bin/python benchmarks/serve_throughput.py [--model smollm2] [--requests 16] [--max-tokens 128]
+     [--concurrency 16 4]
 
-Each setting serves the same model in turn and answers the same `--requests` chat requests, all in
-flight at once (as an evaluation's rollouts are). Printed per setting: wall seconds, completion
-tokens per second, and the speed-up over the first setting (the shipped default).
+Each setting serves the same model in turn and answers the same `--requests` chat requests, at
+most `--concurrency` in flight at once (as an evaluation's `eval_concurrency` rollouts are; several
+values: each setting is measured at each). Printed per setting: wall seconds, completion tokens per
+second, and the speed-up over the first setting (the shipped default) at the first concurrency.
 """
 
 from __future__ import annotations
@@ -45,13 +47,17 @@ def first_turns(model_dir: str, count: int) -> list[dict[str, Any]]:
     return requests
 
 
-async def answer_all(base_url: str, model: str, requests: list[dict[str, Any]], max_tokens: int) -> int:
-    """Send every request at once; the completion tokens of all answers."""
+async def answer_all(
+    base_url: str, model: str, requests: list[dict[str, Any]], max_tokens: int, concurrency: int
+) -> int:
+    """Send the requests, `concurrency` in flight at a time; the completion tokens of all answers."""
+    slots = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=base_url, timeout=3600) as client:
 
         async def one(request: dict[str, Any]) -> int:
             body = request | {"model": model, "max_tokens": max_tokens, "temperature": 0.0}
-            response = await client.post("/chat/completions", json=body)
+            async with slots:
+                response = await client.post("/chat/completions", json=body)
             response.raise_for_status()
             return response.json()["usage"]["completion_tokens"]
 
@@ -64,6 +70,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--only", nargs="*", default=list(SETTINGS), help="Settings (the first is the baseline).")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[16], help="Requests in flight at once.")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:  # A built-in model is prepared once, then found in the cache.
         model_dir = str(resolve_model(args.model, ArtifactStore(tmp)))
@@ -71,12 +78,16 @@ def main() -> None:
     baseline = None
     for name in args.only:
         with ModelServer(ServerConfig(model=model_dir, **SETTINGS[name])) as server:
-            started = time.perf_counter()
-            tokens = asyncio.run(answer_all(server.base_url, server.model_name or "", requests, args.max_tokens))
-            seconds = time.perf_counter() - started
-        rate = tokens / seconds
-        baseline = baseline or rate
-        print(f"{name:24s} {seconds:7.1f} s {tokens:6d} tokens {rate:7.1f} tokens/s x{rate / baseline:.2f}", flush=True)
+            for concurrency in args.concurrency:
+                started = time.perf_counter()
+                answer = answer_all(server.base_url, server.model_name or "", requests, args.max_tokens, concurrency)
+                tokens = asyncio.run(answer)
+                seconds = time.perf_counter() - started
+                rate = tokens / seconds
+                baseline = baseline or rate
+                label = f"{name}, {concurrency} in flight"
+                print(f"{label:36s} {seconds:7.1f} s {tokens:6d} tokens {rate:7.1f} tokens/s x{rate / baseline:.2f}",
+                      flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
