@@ -27,7 +27,7 @@ from training.grpo import GRPORunConfig
 from training.launch import launch
 from training.models import resolve_model
 from training.registry import run_training
-from training.sft import SFTRunConfig
+from training.sft import NoExampleFits, SFTRunConfig
 
 logger = logging.getLogger(__name__)
 SEED_OFFSETS = {"teacher": 0, "policy": 500_000}  # Training streams; held-out items use eval_seed 1,000,000.
@@ -214,12 +214,17 @@ def server_config(p: RoundProfile, model_dir: str, planned: bool = False) -> Ser
 
 def sft(params: SFTParams, callbacks: list[Any] | None = None) -> Manifest:
     """Supervised fine-tuning (TRL SFTTrainer) on the curated set; an empty set (every rollout of the
-    round failed) trains nothing and passes the base on to GRPO, with a warning."""
+    round failed) or one whose conversations all exceed `sft_max_length` trains nothing and passes
+    the base on to GRPO, with a warning."""
     store = params.store()
     if store.manifest(params.dataset).metrics.get("sft_examples", 1) == 0:
         logger.warning("round %d: the curated SFT set is empty: no SFT, GRPO starts from the base", params.round_no)
         return store.manifest(params.base)
-    return _train(sft_config(params), params, callbacks)
+    try:
+        return _train(sft_config(params), params, callbacks)
+    except NoExampleFits as err:
+        logger.warning("round %d: %s (sft_max_length): no SFT, GRPO starts from the base", params.round_no, err)
+        return store.manifest(params.base)
 
 
 def rl(params: RLParams, callbacks: list[Any] | None = None) -> Manifest:

@@ -232,7 +232,7 @@ def run_grpo(
     )  # fmt: skip
     screening = screen_into(trainer, cfg, agents, tasks, screened, run, resume) if cfg.screen_tasks else {}
     skipped = {}
-    if screening.get("kept") == 0:  # Only flat groups: zero advantages and no KL yet, so a step changes nothing.
+    if resume is None and screening.get("kept") == 0:  # Only flat groups: step 1 would change no weight.
         skipped = {"skipped": "no screened task gave differing rewards: the policy is stored untrained"}
         logger.warning("%s: GRPO skipped, %s", cfg.output_name, skipped["skipped"])
     stopped = None if skipped else train(trainer, resume)

@@ -59,8 +59,16 @@ def load_rows(store: ArtifactStore, dataset: str) -> tuple[list[dict[str, Any]],
     return rows, parent
 
 
+class NoExampleFits(ValueError):
+    """Every conversation is longer than `max_length` (with `overlong: drop`): nothing to train on."""
+
+
 def tokenize_rows(
-    tokenizer: Any, rows: list[dict[str, Any]], template: str, max_length: int, overlong: str = "drop"
+    tokenizer: Any,
+    rows: list[dict[str, Any]],
+    template: str,
+    max_length: int,
+    overlong: Literal["drop", "truncate"] = "drop",
 ) -> dict[str, list]:
     """`input_ids` and `assistant_masks` (1 on assistant tokens) of each conversation.
 
@@ -84,7 +92,7 @@ def tokenize_rows(
         ids.append(list(out["input_ids"])[:max_length])
         masks.append(list(out["assistant_masks"])[:max_length])
     if not ids:
-        raise ValueError(f"none of {len(rows)} conversations fits max_length={max_length}: raise max_length")
+        raise NoExampleFits(f"none of {len(rows)} conversations fits max_length={max_length}: raise max_length")
     if too_long:
         logger.warning(
             "%d of %d conversations exceed max_length=%d: %s; raise max_length to train on all of them",

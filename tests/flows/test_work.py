@@ -50,3 +50,15 @@ def test_an_empty_sft_set_passes_the_base_on(tmp_path) -> None:
     empty = store.put("dataset", "round1-sft", {"train.jsonl": ""}, metrics={"sft_examples": 0})
     params = work.SFTParams(store_url=str(tmp_path), profile=PROFILES["tiny"], base=base.id, dataset=empty.id)
     assert work.sft(params).id == base.id
+
+
+def test_an_sft_set_where_no_conversation_fits_passes_the_base_on(model_store: ArtifactStore, tiny_model) -> None:
+    """Every curated conversation is longer than the profile's SFT length: the round goes on from the base."""
+    from tests.training.test_sft import TOOLS, conversation
+
+    rows = "".join(json.dumps(conversation(2, 3) | {"tools": TOOLS}) + "\n" for _ in range(2)).encode()
+    data = model_store.put("dataset", "round1-sft", {"train.jsonl": rows}, metrics={"sft_examples": 2})
+    profile = PROFILES["tiny"].model_copy(update={"sft_max_length": 64})
+    base = model_store.resolve("model/tiny")
+    params = work.SFTParams(store_url=model_store.url, profile=profile, base=base, dataset=data.id)
+    assert work.sft(params).id == base
