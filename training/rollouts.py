@@ -150,7 +150,7 @@ class PolicyServer:
         model = self.model()
         if self._was_training is None:
             self._was_training = model.training
-        self._stops = _eos_ids(model, self.tokenizer)
+        self._stops = self._stops or _eos_ids(model, self.tokenizer)
         config = copy.deepcopy(model.generation_config)
         config.update(max_new_tokens=self.max_new_tokens, eos_token_id=sorted(self._stops))
         if temperature > 0:
