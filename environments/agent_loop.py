@@ -15,6 +15,10 @@ becomes a tool parse error the model sees; after any other HTTP error the loop a
 raw `completion` endpoint for the same prompt (rendered by `render_prompt`, the trainer's chat
 template) and parses that text itself. Only when that also fails is the server at fault.
 
+A loop that cannot progress ends early: when `max_repeated_replies` replies in a row make the same
+tool calls and get the same results, nothing the next turn sees has changed but the length of the
+conversation, so the episode stops there (`stuck`) and is verified as it stands.
+
 No reply can break what comes after the loop: at most `max_tool_calls_per_reply` calls of a reply
 run (the rest are reported to the model as an error), and every string that enters the
 conversation is `sanitize`d, so tokenisers and UTF-8 JSONL writers accept it.
@@ -40,6 +44,7 @@ from environments.tools import TOOLSETS, Tool, defined_tools
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOOL_CALLS_PER_REPLY = 8
+DEFAULT_MAX_REPEATED_REPLIES = 3
 _MAX_ARGUMENT_DEPTH = 32
 _SURROGATES = re.compile(r"[\ud800-\udfff]")
 # What servers say when *they* failed to parse the model's tool call (transformers' response
@@ -77,6 +82,7 @@ class AgentResult:
     messages: list[dict[str, Any]]
     turns_used: int = 0
     finished_naturally: bool = False
+    stuck: bool = False
     tool_errors: list[ToolError] = field(default_factory=list)
     infra_error: str | None = None
     completion_tokens: int = 0
@@ -114,6 +120,7 @@ class HermesAgentLoop:
         tools: list[Tool] | None = None,
         inference_retries: int = 2,
         max_tool_calls_per_reply: int = DEFAULT_MAX_TOOL_CALLS_PER_REPLY,
+        max_repeated_replies: int | None = DEFAULT_MAX_REPEATED_REPLIES,
         render_prompt: Callable[[list[dict[str, Any]]], str] | None = None,
     ) -> None:
         self.server = server
@@ -130,6 +137,7 @@ class HermesAgentLoop:
         self.tools = {name: known[name] for name in self.valid_tool_names if name in known}
         self.inference_retries = inference_retries
         self.max_tool_calls_per_reply = max_tool_calls_per_reply
+        self.max_repeated_replies = max_repeated_replies
         self.render_prompt = render_prompt
 
     async def run(self, messages: list[dict[str, Any]]) -> AgentResult:
@@ -153,6 +161,7 @@ class HermesAgentLoop:
         prepare = getattr(self.server, "prepare_workspace", None)  # An env's server: the task's files.
         if prepare is not None and "item" not in ctx.state:
             await asyncio.to_thread(prepare, ctx, result.messages)
+        repeats: list[str] = []  # The same calls with the same results, one entry per reply in a row.
         for turn in range(self.max_turns):
             try:
                 reply = await self._complete(result.messages)
@@ -185,6 +194,24 @@ class HermesAgentLoop:
                 parse_errors = [error, *parse_errors]
             if await self._act(ctx, turn, content, calls, parse_errors, result):
                 return
+            if self._stuck(repeats, calls, result):
+                result.stuck = True
+                return
+
+    def _stuck(self, repeats: list[str], calls: list[ParsedToolCall], result: AgentResult) -> bool:
+        """Whether the last `max_repeated_replies` replies made the same calls and got the same results."""
+        if not self.max_repeated_replies or not calls:
+            repeats.clear()
+            return False
+        outcome = json.dumps(
+            [[c.name, c.arguments] for c in calls] + [m.get("content") for m in result.messages[-len(calls) :]],
+            sort_keys=True,
+            default=str,
+        )
+        if repeats and repeats[-1] != outcome:
+            repeats.clear()
+        repeats.append(outcome)
+        return len(repeats) >= self.max_repeated_replies
 
     async def _act(
         self,

@@ -26,7 +26,13 @@ from typing import Any, Literal
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from pydantic import Field, field_validator
 
-from environments.agent_loop import DEFAULT_MAX_TOOL_CALLS_PER_REPLY, AgentResult, HermesAgentLoop, sanitize
+from environments.agent_loop import (
+    DEFAULT_MAX_REPEATED_REPLIES,
+    DEFAULT_MAX_TOOL_CALLS_PER_REPLY,
+    AgentResult,
+    HermesAgentLoop,
+    sanitize,
+)
 from environments.episode import AgentEpisodes
 from environments.messages import messages_with_dict_arguments
 from environments.process_mode import write_groups
@@ -69,6 +75,12 @@ class HermesAgentEnvConfig(BaseEnvConfig):
         default=DEFAULT_MAX_TOOL_CALLS_PER_REPLY,
         ge=1,
         description="Tool calls of one reply that run; the rest are an error.",
+    )
+    max_repeated_replies: int | None = Field(
+        default=DEFAULT_MAX_REPEATED_REPLIES,
+        ge=2,
+        description="End a rollout after this many replies in a row with the same tool calls and results "
+        "(an agent stuck in a loop; None: never).",
     )
     teacher: Literal["server", "oracle"] = Field(
         default="server",
@@ -249,6 +261,7 @@ class HermesAgentBaseEnv(BaseEnv, RolloutScoring, WorkspaceItems, AgentEpisodes)
             "tool_call_parser": self.config.tool_call_parser,
             "inference_retries": self.config.inference_retries,
             "max_tool_calls_per_reply": self.config.max_tool_calls_per_reply,
+            "max_repeated_replies": self.config.max_repeated_replies,
         }
 
     async def collect_trajectories(self, item: Item) -> tuple[ScoredDataGroup | None, list[Item]]:

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from environments.task_stream import DIFFICULTIES, TaskStream
+
 ENVIRONMENTS = {
     "tool_use_chain": "environments.tool_use_chain:ToolUseChainEnv",
     "web_navigation": "environments.web_navigation:WebNavigationEnv",
@@ -66,6 +68,19 @@ def task_categories(spec: str) -> tuple[str, ...] | None:
     """The task categories of an env with a task family (None: an env without categories)."""
     categories = getattr(env_class(spec), "categories", None)
     return tuple(categories) if categories else None
+
+
+def teacher_turns(spec: str, slice_name: str, samples: int = 4) -> int | None:
+    """Model calls the env's oracle takes on a `category/difficulty` slice (the most over the first
+    `samples` training tasks): the turns a student needs to imitate it. None: no task family or oracle."""
+    cls = env_class(spec)
+    make_task, categories = getattr(cls, "make_task", None), getattr(cls, "categories", None)
+    if make_task is None or not categories or "/" not in slice_name:
+        return None
+    mix = {f"{c}/{d}": 0.0 for c in categories for d in DIFFICULTIES} | {slice_name: 1.0}
+    items = TaskStream(spec, make_task, tuple(categories), seed=0, mix=mix).items(samples)
+    turns = [len(item["oracle"]) for item in items if item.get("oracle")]
+    return max(turns) if turns else None
 
 
 def categories_of(cls: type, wanted: list[str] | None) -> list[str] | None:

@@ -15,6 +15,12 @@ A held-out set has only a few items per slice, so thin evidence climbs to the sl
 point the same way; every row says which level decided.
 The generation budget is split over slices by class weight (largest remainder), so every
 decision - slice, class, weight, groups - is recorded and generation follows it exactly.
+
+Teacher data goes where it can teach: an unsolved slice whose teacher needs more turns than the
+round allows (`max_turns`) waits as *out of reach* (a student judged on 6 turns cannot imitate a
+30-turn demonstration), and of the reachable ones only the `focus` easiest (easiest difficulty,
+then fewest teacher turns) are taught this round, so a small budget teaches a few slices well
+rather than every slice a little; the others wait for a later round.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from environments.registry import teacher_turns
 from environments.task_stream import DIFFICULTIES
 
 SliceClass = Literal["unsolved", "learnable", "mastered", "locked"]
@@ -44,6 +51,11 @@ class CurriculumConfig(BaseModel):
         "they hold out about one item per slice).",
     )
     replay: float = Field(default=0.1, ge=0, description="Generation weight of a mastered slice (against forgetting).")
+    focus: int | None = Field(
+        default=None,
+        ge=1,
+        description="Unsolved slices given teacher data per round (easiest first; None: every one in reach).",
+    )
 
 
 def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -147,9 +159,12 @@ def _row(cls: SliceClass, wins: int, n: int, low: float, high: float, evidence: 
     return {"class": cls, "wins": wins, "n": n, "ci": [round(low, 4), round(high, 4)], "evidence": evidence}
 
 
-def plan_generation(curriculum: dict[str, Any], groups: int, config: CurriculumConfig | None = None) -> dict[str, Any]:
+def plan_generation(
+    curriculum: dict[str, Any], groups: int, config: CurriculumConfig | None = None, max_turns: int | None = None
+) -> dict[str, Any]:
     """Split `groups` over every slice by class weight; per env and source (teacher / policy), the
-    slice weights and group count generation runs with. Records `weight` and `groups` per slice."""
+    slice weights and group count generation runs with. Records `weight` and `groups` per slice, and
+    why an unsolved slice `waits` (out of reach of `max_turns`, or beyond the round's focus)."""
     config = config or CurriculumConfig()
     weight = {"unsolved": 1.0, "learnable": 1.0, "mastered": config.replay, "locked": 0.0}
     per_env = [[(env, row) for row in spec["slices"]] for env, spec in curriculum.items()]
@@ -157,6 +172,7 @@ def plan_generation(curriculum: dict[str, Any], groups: int, config: CurriculumC
     cells = [cell for rank in itertools.zip_longest(*per_env) for cell in rank if cell is not None]
     for _, row in cells:
         row["weight"] = weight[row["class"]]
+    _focus_teaching(cells, config.focus, max_turns)
     shares = largest_remainder([row["weight"] for _, row in cells], groups)
     plan: dict[str, Any] = defaultdict(dict)
     for (env, row), share in zip(cells, shares, strict=True):
@@ -172,6 +188,34 @@ def plan_generation(curriculum: dict[str, Any], groups: int, config: CurriculumC
     return dict(plan)
 
 
+def _focus_teaching(cells: list[tuple[str, dict[str, Any]]], focus: int | None, max_turns: int | None) -> None:
+    """Zero the weight of the unsolved slices that wait: out of reach of `max_turns`, or past the `focus`
+    easiest. With nothing in reach, every unsolved slice is taught as before (there is nothing better)."""
+    unsolved = [row for _, row in cells if row["class"] == "unsolved"]
+    if max_turns:
+        for env, row in cells:
+            if row["class"] == "unsolved":
+                row["teacher_turns"] = teacher_turns(env, row["slice"])
+    reachable = [row for row in unsolved if (row.get("teacher_turns") or 0) <= (max_turns or 0)] if max_turns else []
+    if reachable:
+        for row in unsolved:
+            if not any(row is kept for kept in reachable):
+                row["weight"] = 0.0
+                row["waits"] = (
+                    f"out of reach: its teacher needs {row['teacher_turns']} turns, the round allows {max_turns}"
+                )
+    taught = sorted(
+        reachable or unsolved, key=lambda row: (_difficulty_rank(row["slice"]), row.get("teacher_turns") or 0)
+    )
+    for row in taught[focus or len(taught) :]:
+        row["weight"], row["waits"] = 0.0, f"beyond this round's focus of {focus} unsolved slices"
+
+
+def _difficulty_rank(slice_name: str) -> int:
+    level = slice_name.rsplit("/", 1)[-1]
+    return DIFFICULTIES.index(level) if level in DIFFICULTIES else 0
+
+
 def grpo_mix(curriculum: dict[str, Any], config: CurriculumConfig | None = None) -> dict[str, dict[str, float]]:
     """Per env, GRPO task weights on one scale across envs (GRPO draws an env's tasks in proportion to
     its weights' sum): learnability p(1 - p) of each learnable slice (p: the Wilson centre), so an env
@@ -185,9 +229,9 @@ def grpo_mix(curriculum: dict[str, Any], config: CurriculumConfig | None = None)
         return round(p * (1 - p), 4) if row["class"] == "learnable" else 0.0
 
     weights = [learnability(row) for _, row in cells]
-    for fallback in ("unsolved", "mastered"):
+    for fallback in ("unsolved", "mastered"):  # Only the slices the plan teaches (a waiting one got no data).
         if not any(weights):
-            weights = [float(row["class"] == fallback) for _, row in cells]
+            weights = [float(row["class"] == fallback and row.get("weight", 1.0) > 0) for _, row in cells]
     mix: dict[str, dict[str, float]] = {env: {} for env in curriculum}
     for (env, row), weight in zip(cells, weights, strict=True):
         mix[env][row["slice"]] = weight

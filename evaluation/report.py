@@ -175,7 +175,7 @@ def _costs_markdown(manifests: list[Manifest]) -> str:
 
 
 def _curriculum_markdown(curriculum: dict[str, Any]) -> str:
-    """The next round's curriculum: each slice's class, its evidence, and the groups it gets."""
+    """The next round's curriculum: each slice's class, its evidence, and the groups it gets (or why it waits)."""
     if not curriculum:
         return ""
     lines = ["## Next round's curriculum", "", "| env | slice | class | wins/n | 95% CI | decided by | groups |"]
@@ -183,9 +183,10 @@ def _curriculum_markdown(curriculum: dict[str, Any]) -> str:
     for env, spec in sorted(curriculum["slices"].items()):
         for row in spec["slices"]:
             low, high = row["ci"]
+            waits = f" ({row['waits']})" if row.get("waits") else ""
             lines.append(
                 f"| {env} | {row['slice']} | {row['class']} | {row['wins']}/{row['n']} | {low:.2f}-{high:.2f} "
-                f"| {row['evidence']} | {row.get('groups', 0)} |"
+                f"| {row['evidence']} | {row.get('groups', 0)}{waits} |"
             )
     unlocked = [f"{env}: {', '.join(spec['newly_unlocked'])}" for env, spec in curriculum["slices"].items()
                 if spec["newly_unlocked"]]  # fmt: skip

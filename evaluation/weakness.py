@@ -96,6 +96,7 @@ class CurriculumSpec(BaseModel):
     difficulty: str | None = Field(default=None, description="A fixed difficulty (None: easy first, then unlock).")
     groups: int = Field(default=32, ge=1, description="Generation groups to split over the slices.")
     config: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    max_turns: int | None = Field(default=None, ge=1, description="The round's turn budget (teacher data in reach).")
 
 
 def mine_to_store(
@@ -123,7 +124,10 @@ def mine_to_store(
     if curriculum is not None:
         last = (stored_curriculum(store, previous) or {}).get("slices") if previous else None
         slices = build_curriculum(samples, curriculum.families, curriculum.config, last, curriculum.difficulty)
-        plan = {"slices": slices, "generate": plan_generation(slices, curriculum.groups, curriculum.config)}
+        plan = {
+            "slices": slices,
+            "generate": plan_generation(slices, curriculum.groups, curriculum.config, curriculum.max_turns),
+        }
         plan["rl"] = grpo_mix(slices, curriculum.config)
         files["curriculum.json"] = json.dumps(plan, indent=2)
         classes = Counter(row["class"] for env in slices.values() for row in env["slices"])

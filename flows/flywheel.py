@@ -97,7 +97,7 @@ def run_round(store: ArtifactStore, n: int, p: RoundProfile, stage: StageCall) -
     plan, rl_mix = None, None
     if start.curriculum is not None:  # Planned with this profile's budget and thresholds.
         slices = copy.deepcopy(start.curriculum["slices"])
-        plan = plan_generation(slices, p.groups, p.curriculum_config)
+        plan = plan_generation(slices, p.groups, p.curriculum_config, p.max_turns)
         rl_mix = grpo_mix(slices, p.curriculum_config)
     rollouts = stage("generate", round_no=n, tokenizer_model=start.base, plan=plan)
     dataset = stage("curate", round_no=n, rollouts=rollouts)

@@ -66,6 +66,10 @@ class RoundProfile(BaseModel):
         default="zero3", description="How SFT and GRPO shard across `gpus` > 1 (DeepSpeed ZeRO or FSDP)."
     )
     threads: int = Field(default=2, ge=1, description="CPU training: torch threads.")
+    gradient_checkpointing: bool | None = Field(
+        default=None,
+        description="SFT and GRPO recompute activations in the backward (None: the device's default, on for CUDA).",
+    )
     sft_batch_size: int = Field(default=4, ge=1, description="SFT conversations per device per micro-batch.")
     sft_gradient_accumulation: int = Field(
         default=1, ge=1, description="SFT micro-batches per step (a step sees batch size x this conversations)."
@@ -120,8 +124,9 @@ class RoundProfile(BaseModel):
 
 
 # CPU rounds hold out about one item per slice: 68 % intervals (z = 1) let 3 of 3 master a slice
-# and 0 of 3 mark it unsolved, where 95 % would need 9 of 9.
-CPU_CURRICULUM = CurriculumConfig(z=1.0)
+# and 0 of 3 mark it unsolved, where 95 % would need 9 of 9. A CPU round's SFT sees ~24
+# conversations: three slices taught at a time get ~8 each, where twelve would get two.
+CPU_CURRICULUM = CurriculumConfig(z=1.0, focus=3)
 
 PROFILES: dict[str, RoundProfile] = {
     # SmolLM2-135M on CPU: the slice a 135M model can learn in one round (look a product up, copy
@@ -132,6 +137,9 @@ PROFILES: dict[str, RoundProfile] = {
         sft_batch_size=1,  # 4 conversations a step, one at a time: a quarter of the activation memory, no padding.
         sft_gradient_accumulation=4,
         sft_steps=6,
+        # Whole conversations of up to 2,048 tokens: recomputing activations in the backward keeps
+        # SFT's peak under 6 GB (without it, one 1,825-token conversation took ~6 GB on its own).
+        gradient_checkpointing=True,
         rl_batch_size=1,  # 4 completions a step, one at a time: the backward's activations of one, not four.
         rl_gradient_accumulation=4,
         rl_screen=8,  # After SFT, GRPO trains on the tasks the policy solves only sometimes.

@@ -199,7 +199,8 @@ def rl_config(params: RLParams) -> GRPORunConfig:
 def _hardware(p: RoundProfile) -> dict[str, Any]:
     """Device, threads, step checkpoints and multi-GPU sharding of a training stage."""
     sharding = {"fsdp": True} if p.sharding == "fsdp" else {"deepspeed": p.sharding}
-    return {"device": p.device, "num_threads": p.threads, "save_steps": p.save_steps} | (sharding if p.gpus > 1 else {})
+    hardware = {"device": p.device, "num_threads": p.threads, "save_steps": p.save_steps}
+    return hardware | {"gradient_checkpointing": p.gradient_checkpointing} | (sharding if p.gpus > 1 else {})
 
 
 def server_config(p: RoundProfile, model_dir: str, planned: bool = False) -> ServerConfig:
@@ -297,7 +298,9 @@ def mine(params: MineParams) -> Manifest:
     spec = None
     if p.curriculum == "mined":
         config = p.curriculum_config
-        spec = CurriculumSpec(families=p.families(), difficulty=p.difficulty, groups=p.groups, config=config)
+        spec = CurriculumSpec(
+            families=p.families(), difficulty=p.difficulty, groups=p.groups, config=config, max_turns=p.max_turns
+        )
     name = f"weaknesses-r{params.round_no}"
     return mine_to_store(params.store(), params.evals, name=name, curriculum=spec, previous=params.previous)
 

@@ -57,6 +57,11 @@ class TrainConfig(BaseModel):
         default=None, description="DeepSpeed ZeRO config from training/deepspeed/ (also runs on CPU via gloo)."
     )
     fsdp: bool = Field(default=False, description="Shard with FSDP across the launched GPUs (instead of ZeRO).")
+    gradient_checkpointing: bool | None = Field(
+        default=None,
+        description="Recompute activations in the backward: memory for time (None: the device's default, on for "
+        "CUDA, off for CPU).",
+    )
     # -- checkpoints and logging
     save_steps: int = Field(
         default=0, ge=0, description="Step checkpoint every N steps, mirrored to the store (0: off)."
@@ -95,6 +100,8 @@ class TrainConfig(BaseModel):
             "disable_tqdm": not sys.stderr.isatty(),  # A progress bar on a terminal only.
             **self.settings().trainer_kwargs(),
         }
+        if self.gradient_checkpointing is not None:
+            kwargs["gradient_checkpointing"] = self.gradient_checkpointing
         if self.deepspeed:  # DeepSpeed also runs on CPU (gloo), without `use_cpu`.
             kwargs["deepspeed"] = str(DEEPSPEED_DIR / f"{self.deepspeed}.json")
             kwargs.pop("use_cpu", None)

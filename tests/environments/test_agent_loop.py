@@ -36,13 +36,18 @@ class _Failing:
 
 
 def _loop(
-    server: Any, max_turns: int = 4, retries: int = 1, tools: list[Tool] = FILE_TOOLS, cap: int = 8
+    server: Any,
+    max_turns: int = 4,
+    retries: int = 1,
+    tools: list[Tool] = FILE_TOOLS,
+    cap: int = 8,
+    repeats: int | None = 3,
 ) -> HermesAgentLoop:
     schemas = [t.schema() for t in tools]
     names = {t.name for t in tools}
     return HermesAgentLoop(
         server, schemas, names, max_turns, "loop-test", tools=tools, inference_retries=retries,
-        max_tool_calls_per_reply=cap,
+        max_tool_calls_per_reply=cap, max_repeated_replies=repeats,
     )  # fmt: skip
 
 
@@ -130,8 +135,29 @@ def test_an_infra_error_in_a_tool_ends_the_rollout_without_raising() -> None:
 
 
 def test_turn_limit_cuts_the_rollout() -> None:
-    result = _run(_loop(ScriptedPolicy([call("list_files")] * 10), max_turns=3))
-    assert result.turns_used == 3 and not result.finished_naturally
+    result = _run(_loop(ScriptedPolicy([call("list_files")] * 10), max_turns=3, repeats=None))
+    assert result.turns_used == 3 and not result.finished_naturally and not result.stuck
+
+
+def test_a_loop_that_repeats_the_same_calls_and_results_stops_early() -> None:
+    result = _run(_loop(ScriptedPolicy([call("list_files")] * 10), max_turns=8))
+    assert result.turns_used == 3 and result.stuck and not result.finished_naturally
+
+
+@tool
+def tick(ctx: ToolContext) -> str:
+    """Count the calls (a result that changes each time)."""
+    ctx.state["ticks"] = ctx.state.get("ticks", 0) + 1
+    return str(ctx.state["ticks"])
+
+
+def test_repeated_calls_with_new_results_or_other_calls_in_between_go_on() -> None:
+    changing = _run(_loop(ScriptedPolicy([call("tick")] * 10), max_turns=5, tools=[tick]))
+    assert changing.turns_used == 5 and not changing.stuck
+    listing, other = call("list_files"), call("write_file", path="a.txt", content="x")
+    actions = [listing, listing, other, listing, listing, final("done")]
+    interrupted = _run(_loop(ScriptedPolicy(actions), max_turns=8))
+    assert interrupted.finished_naturally and not interrupted.stuck and interrupted.turns_used == 6
 
 
 def test_evaluation_does_not_pollute_training_buffers(tiny_model: Path, tmp_path: Path) -> None:

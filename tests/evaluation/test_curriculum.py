@@ -153,3 +153,29 @@ def test_an_env_without_categories_is_one_slice_that_gets_its_share() -> None:
     assert grpo_mix(result)["file_stats"]["*"] > 0
     never_solved = build_curriculum([{**row, "success": False} for row in rows], families)
     assert never_solved["file_stats"]["slices"][0]["class"] == "unsolved"
+
+
+def test_teacher_data_goes_to_the_focus_easiest_slices_in_reach() -> None:
+    """Unsolved slices whose oracle needs more turns than the round allows wait, and of the rest only
+    `focus` are taught: easiest difficulty first, then fewest teacher turns; GRPO follows the plan."""
+    families = {"tool_use_chain": CATEGORIES, "long_horizon": ("library", "cli_tool", "data_utils")}
+    opened = {"todo_report/medium": 1, "csv_summary/medium": 1}  # Unlocked harder slices, unsolved too.
+    previous = {"tool_use_chain": {"unlocked": list(opened)}}
+    curriculum = build_curriculum([], families, previous=previous)
+    plan = plan_generation(curriculum, groups=12, config=CurriculumConfig(focus=2), max_turns=6)
+    rows = {(env, row["slice"]): row for env, spec in curriculum.items() for row in spec["slices"]}
+    # Oracle turns: csv_summary 3, todo_report 6, line_count 7 (over 6), long_horizon 30.
+    assert rows[("tool_use_chain", "csv_summary/easy")]["teacher_turns"] == 3
+    assert "out of reach" in rows[("tool_use_chain", "line_count/easy")]["waits"]
+    assert all("out of reach" in rows[("long_horizon", f"{c}/easy")]["waits"] for c in families["long_horizon"])
+    assert "focus" in rows[("tool_use_chain", "csv_summary/medium")]["waits"]  # Reachable, but medium.
+    taught = {key for key, row in rows.items() if row["groups"]}
+    assert taught == {("tool_use_chain", "csv_summary/easy"), ("tool_use_chain", "todo_report/easy")}
+    assert set(plan) == {"tool_use_chain"} and plan["tool_use_chain"]["teacher"]["groups"] == 12
+    rl = grpo_mix(curriculum)  # Nothing learnable: GRPO on the slices SFT was just shown, not the waiting ones.
+    assert {(env, s) for env, mix in rl.items() for s, w in mix.items() if w} == taught
+    # Nothing in reach at all: every unsolved slice is taught as before.
+    only_long = build_curriculum([], {"long_horizon": families["long_horizon"]})
+    plan_generation(only_long, groups=3, max_turns=6)
+    easy = [row for row in only_long["long_horizon"]["slices"] if row["slice"].endswith("/easy")]
+    assert [row["groups"] for row in easy] == [1, 1, 1] and not any("waits" in row for row in easy)

@@ -50,7 +50,10 @@ def test_the_cpu_plan_has_no_cuda_setting() -> None:
         args = plan["stages"][name]["trainer_args"]
         assert args["use_cpu"] and not args["bf16"] and plan["stages"][name]["launch"] is None
         assert not any("vllm" in key for key in args), name
+        assert args["gradient_checkpointing"], name  # The profile's choice over the CPU default (off).
     assert plan["stages"]["evaluate"]["server"]["command"][:2] == ["transformers", "serve"]
+    quick = round_plan("quick", "cpu")["stages"]["sft"]["trainer_args"]
+    assert quick["gradient_checkpointing"] is False  # No choice in the profile: the device's default.
 
 
 def test_a_device_override_turns_a_profile_around() -> None:
