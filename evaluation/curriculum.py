@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -190,24 +190,30 @@ def plan_generation(
 
 def _focus_teaching(cells: list[tuple[str, dict[str, Any]]], focus: int | None, max_turns: int | None) -> None:
     """Zero the weight of the unsolved slices that wait: out of reach of `max_turns`, or past the `focus`
-    easiest. With nothing in reach, every unsolved slice is taught as before (there is nothing better)."""
-    unsolved = [row for _, row in cells if row["class"] == "unsolved"]
-    if max_turns:
-        for env, row in cells:
-            if row["class"] == "unsolved":
-                row["teacher_turns"] = teacher_turns(env, row["slice"])
-    reachable = [row for row in unsolved if (row.get("teacher_turns") or 0) <= (max_turns or 0)] if max_turns else []
-    if reachable:
-        for row in unsolved:
-            if not any(row is kept for kept in reachable):
+    easiest (easiest difficulty, then fewest teacher turns, ties taken from each env in turn). With
+    nothing in reach, every unsolved slice is taught as before (there is nothing better)."""
+    unsolved = [(env, row) for env, row in cells if row["class"] == "unsolved"]
+    for env, row in unsolved if max_turns else []:
+        row["teacher_turns"] = teacher_turns(env, row["slice"])
+    reachable = [(env, row) for env, row in unsolved if (row.get("teacher_turns") or 0) <= (max_turns or 0)]
+    if max_turns and reachable:
+        for _, row in unsolved:
+            if not any(row is kept for _, kept in reachable):
                 row["weight"] = 0.0
                 row["waits"] = (
                     f"out of reach: its teacher needs {row['teacher_turns']} turns, the round allows {max_turns}"
                 )
-    taught = sorted(
-        reachable or unsolved, key=lambda row: (_difficulty_rank(row["slice"]), row.get("teacher_turns") or 0)
+    candidates = reachable if max_turns and reachable else unsolved
+    by_ease = sorted(
+        candidates, key=lambda cell: (_difficulty_rank(cell[1]["slice"]), cell[1].get("teacher_turns") or 0)
     )
-    for row in taught[focus or len(taught) :]:
+    seen: Counter[tuple[str, tuple[int, int]]] = Counter()
+    ranked = []  # (ease, the env's how-many-th at that ease, row): equally easy slices alternate envs.
+    for env, row in by_ease:
+        ease = (_difficulty_rank(row["slice"]), row.get("teacher_turns") or 0)
+        ranked.append((ease, seen[env, ease], row))
+        seen[env, ease] += 1
+    for *_, row in sorted(ranked, key=lambda entry: entry[:2])[focus or len(ranked) :]:
         row["weight"], row["waits"] = 0.0, f"beyond this round's focus of {focus} unsolved slices"
 
 

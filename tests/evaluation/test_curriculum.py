@@ -174,6 +174,14 @@ def test_teacher_data_goes_to_the_focus_easiest_slices_in_reach() -> None:
     assert set(plan) == {"tool_use_chain"} and plan["tool_use_chain"]["teacher"]["groups"] == 12
     rl = grpo_mix(curriculum)  # Nothing learnable: GRPO on the slices SFT was just shown, not the waiting ones.
     assert {(env, s) for env, mix in rl.items() for s, w in mix.items() if w} == taught
+    # Equally easy slices alternate envs: swe_bench's three 5-turn slices do not crowd out the web's.
+    three = {"swe_bench": ("off_by_one", "wrong_operator", "wrong_condition"), **families}
+    three["web_navigation"] = ("under_price", "cheapest", "lookup_price")  # 7, 7 and 5 turns.
+    spread = build_curriculum([], three)
+    plan_generation(spread, groups=6, config=CurriculumConfig(focus=3), max_turns=6)
+    picked = {(env, row["slice"]) for env, spec in spread.items() for row in spec["slices"] if row["groups"]}
+    easiest = {("tool_use_chain", "csv_summary/easy"), ("swe_bench", "off_by_one/easy")}
+    assert picked == easiest | {("web_navigation", "lookup_price/easy")}
     # Nothing in reach at all: every unsolved slice is taught as before.
     only_long = build_curriculum([], {"long_horizon": families["long_horizon"]})
     plan_generation(only_long, groups=3, max_turns=6)
