@@ -14,7 +14,8 @@ from flows.flywheel import run_round
 from flows.profiles import PROFILES
 from flows.stages import STAGES
 
-PROFILE = PROFILES["tiny"].model_copy(update={"groups": 40})  # envs: tool_use_chain.
+# envs: tool_use_chain; 10 turns keep todo_report/medium (9 oracle turns) in reach once it unlocks.
+PROFILE = PROFILES["tiny"].model_copy(update={"groups": 40, "max_turns": 10})
 SOLVED_BY_R1 = {("todo_report", "easy")}  # What the round-1 candidate learns.
 
 
