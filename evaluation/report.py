@@ -178,7 +178,7 @@ def _curriculum_markdown(curriculum: dict[str, Any]) -> str:
     """The next round's curriculum: each slice's class, its evidence, and the groups it gets (or why it waits)."""
     if not curriculum:
         return ""
-    lines = ["## Next round's curriculum", "", "| env | slice | class | wins/n | 95% CI | decided by | groups |"]
+    lines = ["## Next round's curriculum", "", "| env | slice | class | wins/n | interval | decided by | groups |"]
     lines.append("|---|---|---|---|---|---|---|")
     for env, spec in sorted(curriculum["slices"].items()):
         for row in spec["slices"]:
