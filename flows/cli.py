@@ -452,10 +452,10 @@ def plan(
     device: Annotated[str | None, typer.Option(help="cpu | cuda (default: the profile's; auto: what is here).")] = None,
 ) -> None:
     """Print, as JSON, what each stage of a round would run (device, dtype, server, trainer, GPUs, pool)."""
+    if device not in (None, "auto", "cpu", "cuda"):  # Before the stages' imports (seconds): a typo answers at once.
+        raise ConfigError(f"unknown device '{device}': choose cpu, cuda or auto")
     from flows.plan import round_plan
 
-    if device not in (None, "auto", "cpu", "cuda"):
-        raise ConfigError(f"unknown device '{device}': choose cpu, cuda or auto")
     _print_json(round_plan(profile, device))
 
 
