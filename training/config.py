@@ -169,6 +169,12 @@ class RunnerConfig(TrainConfig):
 
 def load_config(model: type[BaseModel], path: str | Path | None, overrides: list[str] | None = None) -> Any:
     """Build `model` from a YAML file plus `key=value` overrides (values parsed as YAML)."""
+    return validate_config(model, read_config(path, overrides), path)
+
+
+def read_config(path: str | Path | None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The fields a YAML file plus `key=value` overrides give, checked as text (no config class needed, so
+    a broken file is reported before any trainer is imported)."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -191,6 +197,11 @@ def load_config(model: type[BaseModel], path: str | Path | None, overrides: list
     bad_keys = [key for key in data if not isinstance(key, str)]
     if bad_keys:
         raise ConfigError(f"config {path}: field names must be strings, got {bad_keys!r:.120}")
+    return data
+
+
+def validate_config(model: type[BaseModel], data: dict[str, Any], path: str | Path | None = None) -> Any:
+    """`model` from `read_config`'s fields; every unknown or invalid field named at once."""
     unknown = sorted(set(data) - set(model.model_fields))
     try:
         if unknown:

@@ -14,10 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from data import ArtifactStore, Manifest
-from training.config import ConfigError, TrainConfig, load_config
+from training.config import ConfigError, TrainConfig, read_config, validate_config
 
 
 @dataclass(frozen=True)
@@ -56,19 +54,9 @@ def algorithm(name: str) -> Algorithm:
 
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None, default: str = "grpo") -> TrainConfig:
     """The config a YAML file plus `key=value` overrides describe, of the class its `algorithm` names."""
-    name = default
-    if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, yaml.YAMLError):
-            loaded = None  # `load_config` reports the problem in full.
-        if isinstance(loaded, dict) and isinstance(loaded.get("algorithm"), str):
-            name = loaded["algorithm"]
-    for override in overrides or []:
-        key, _, value = override.partition("=")
-        if key.strip() == "algorithm":
-            name = value.strip()
-    return load_config(algorithm(name).config_class(), path, overrides)
+    data = read_config(path, overrides)  # A broken file fails here, before a trainer module is imported.
+    name = data["algorithm"] if isinstance(data.get("algorithm"), str) else default
+    return validate_config(algorithm(name).config_class(), data, path)
 
 
 def run_training(cfg: TrainConfig, store: ArtifactStore, **kwargs: Any) -> Manifest:
