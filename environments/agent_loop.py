@@ -192,22 +192,21 @@ class HermesAgentLoop:
                 )
                 result.record_tool_error(turn, "<too many calls>", None, error)
                 parse_errors = [error, *parse_errors]
+            before = len(result.messages)
             if await self._act(ctx, turn, content, calls, parse_errors, result):
                 return
-            if self._stuck(repeats, calls, result):
+            if self._stuck(repeats, calls, result.messages[before:]):
                 result.stuck = True
                 return
 
-    def _stuck(self, repeats: list[str], calls: list[ParsedToolCall], result: AgentResult) -> bool:
-        """Whether the last `max_repeated_replies` replies made the same calls and got the same results."""
+    def _stuck(self, repeats: list[str], calls: list[ParsedToolCall], answers: list[dict[str, Any]]) -> bool:
+        """Whether the last `max_repeated_replies` replies made the same calls and got the same `answers`
+        (the messages the reply's calls brought back)."""
         if not self.max_repeated_replies or not calls:
             repeats.clear()
             return False
-        outcome = json.dumps(
-            [[c.name, c.arguments] for c in calls] + [m.get("content") for m in result.messages[-len(calls) :]],
-            sort_keys=True,
-            default=str,
-        )
+        said = [[c.name, c.arguments] for c in calls] + [m.get("content") for m in answers]
+        outcome = json.dumps(said, sort_keys=True, default=str)
         if repeats and repeats[-1] != outcome:
             repeats.clear()
         repeats.append(outcome)

@@ -7,6 +7,7 @@ A step-contract `BaseEnvironment` that is not already an agent env is wrapped in
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -70,6 +71,7 @@ def task_categories(spec: str) -> tuple[str, ...] | None:
     return tuple(categories) if categories else None
 
 
+@functools.cache  # Mining and the round body both plan; a task family is deterministic.
 def teacher_turns(spec: str, slice_name: str, samples: int = 4) -> int | None:
     """Model calls the env's oracle takes on a `category/difficulty` slice (the most over the first
     `samples` training tasks): the turns a student needs to imitate it. None: no task family or oracle."""

@@ -193,23 +193,20 @@ def _focus_teaching(cells: list[tuple[str, dict[str, Any]]], focus: int | None, 
     easiest (easiest difficulty, then fewest teacher turns, ties taken from each env in turn). With
     nothing in reach, every unsolved slice is taught as before (there is nothing better)."""
     unsolved = [(env, row) for env, row in cells if row["class"] == "unsolved"]
-    for env, row in unsolved if max_turns else []:
-        row["teacher_turns"] = teacher_turns(env, row["slice"])
-    reachable = [(env, row) for env, row in unsolved if (row.get("teacher_turns") or 0) <= (max_turns or 0)]
-    if max_turns and reachable:
-        for _, row in unsolved:
-            if not any(row is kept for _, kept in reachable):
+    if max_turns:
+        for env, row in unsolved:
+            row["teacher_turns"] = teacher_turns(env, row["slice"])
+        reachable = [(env, row) for env, row in unsolved if (row["teacher_turns"] or 0) <= max_turns]
+        for _, row in unsolved if reachable else []:
+            if (row["teacher_turns"] or 0) > max_turns:
                 row["weight"] = 0.0
                 row["waits"] = (
                     f"out of reach: its teacher needs {row['teacher_turns']} turns, the round allows {max_turns}"
                 )
-    candidates = reachable if max_turns and reachable else unsolved
-    by_ease = sorted(
-        candidates, key=lambda cell: (_difficulty_rank(cell[1]["slice"]), cell[1].get("teacher_turns") or 0)
-    )
+        unsolved = reachable or unsolved
     seen: Counter[tuple[str, tuple[int, int]]] = Counter()
     ranked = []  # (ease, the env's how-many-th at that ease, row): equally easy slices alternate envs.
-    for env, row in by_ease:
+    for env, row in unsolved:
         ease = (_difficulty_rank(row["slice"]), row.get("teacher_turns") or 0)
         ranked.append((ease, seen[env, ease], row))
         seen[env, ease] += 1
