@@ -45,6 +45,19 @@ _IMPORTS = (
     "from typing import Any",
 )
 _REGIONS = ("north", "south", "east", "west", "central")
+# The line_count and csv_summary oracles count and total with a script, never in their head:
+# adding a column of decimals or tallying lines over many files is arithmetic a small model cannot
+# learn from a few demonstrations, and one command (the same for every task and every difficulty
+# of the category) is a procedure it can.
+_IMPORT_COUNTS = (
+    "python -c \"import glob,json;json.dump({p:sum(l.startswith(('import ','from ')) for l in open(p)) "
+    "for p in sorted(glob.glob('**/*.py',recursive=True))},open('counts.json','w'))\""
+)
+_CSV_TOTALS = (
+    'python -c "import csv,json,collections;t=collections.Counter();'
+    "[t.update({r['region']:float(r['amount'])}) for r in csv.DictReader(open('data/sales.csv'))];"
+    "json.dump({k:round(v,2) for k,v in t.items()},open('summary.json','w'))\""
+)
 _COUNTS = {"type": "object", "additionalProperties": {"type": "integer"}}
 _TOTALS = {"type": "object", "additionalProperties": {"type": "number"}}
 
@@ -119,9 +132,8 @@ def _line_count(rng: random.Random, files: dict[str, str], difficulty: str) -> d
         "files": files,
         "answer": {"counts": counts},
         "oracle": [
-            *_read_all(files),
-            call("terminal", command="grep -rc '^\\(import \\|from \\)' --include='*.py' . || true"),
-            call("write_file", path="counts.json", content=json.dumps(counts, indent=2)),
+            call("list_files", path="."),
+            call("terminal", command=_IMPORT_COUNTS),
             final("counts.json is written."),
         ],
     }
@@ -146,7 +158,7 @@ def _csv_summary(rng: random.Random, files: dict[str, str], difficulty: str) -> 
         "answer": {"totals": totals},
         "oracle": [
             call("read_file", path="data/sales.csv"),
-            call("write_file", path="summary.json", content=json.dumps(totals, indent=2)),
+            call("terminal", command=_CSV_TOTALS),
             final("summary.json is written."),
         ],
     }

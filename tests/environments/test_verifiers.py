@@ -227,16 +227,21 @@ def _as_strings(value: Any) -> Any:
     return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
 
 
+_JSON_ANSWERS = {"line_count": ("counts.json", "counts"), "csv_summary": ("summary.json", "totals")}
+
+
 def _answer(item: dict[str, Any], stringly: bool) -> list[dict[str, Any]]:
-    """Only the oracle's answer (its `submit_answer` or the JSON file it writes), numbers as strings if `stringly`."""
-    actions = []
-    for action in item["oracle"]:
-        args = action.get("arguments", {})
-        if action.get("tool") == "submit_answer":
-            actions.append(call("submit_answer", **_as_strings(args)) if stringly else action)
-        elif str(args.get("path")).endswith(".json"):
-            content = json.dumps(_as_strings(json.loads(args["content"]))) if stringly else args["content"]
-            actions.append(call("write_file", path=args["path"], content=content))
+    """Only the right answer (the oracle's `submit_answer`, or the JSON file the task asks for, written
+    from the ground truth), numbers as strings if `stringly`."""
+    actions = [
+        call("submit_answer", **_as_strings(action["arguments"])) if stringly else action
+        for action in item["oracle"]
+        if action.get("tool") == "submit_answer"
+    ]
+    if item.get("category") in _JSON_ANSWERS:
+        path, key = _JSON_ANSWERS[item["category"]]
+        answer = item["answer"][key]
+        actions.append(call("write_file", path=path, content=json.dumps(_as_strings(answer) if stringly else answer)))
     return [*actions, final("Done.")]
 
 
