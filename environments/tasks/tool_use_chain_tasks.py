@@ -58,6 +58,8 @@ _CSV_TOTALS = (
     "[t.update({r['region']:float(r['amount'])}) for r in csv.DictReader(open('data/sales.csv'))];"
     "json.dump({k:round(v,2) for k,v in t.items()},open('summary.json','w'))\""
 )
+# The JSON file each JSON-answer category asks for, and the key of its ground truth in `answer`.
+JSON_ANSWERS = {"line_count": ("counts.json", "counts"), "csv_summary": ("summary.json", "totals")}
 _COUNTS = {"type": "object", "additionalProperties": {"type": "integer"}}
 _TOTALS = {"type": "object", "additionalProperties": {"type": "number"}}
 
@@ -170,14 +172,14 @@ def verify(item: dict[str, Any], read: Any) -> bool:
     try:
         if item["category"] == "todo_report":
             return _table_rows(read("report.md")) == [[f, int(n), t] for f, n, t in answer["rows"]]
+        path, key = JSON_ANSWERS[item["category"]]
+        produced, expected = json.loads(read(path)), answer[key]
         if item["category"] == "line_count":
-            counts = json.loads(read("counts.json"))
-            return json_type_error(counts, _COUNTS) is None and counts == answer["counts"]
-        produced = json.loads(read("summary.json"))
+            return json_type_error(produced, _COUNTS) is None and produced == expected
         return (
             json_type_error(produced, _TOTALS) is None
-            and set(produced) == set(answer["totals"])
-            and all(abs(produced[k] - v) <= 0.011 for k, v in answer["totals"].items())
+            and set(produced) == set(expected)
+            and all(abs(produced[k] - v) <= 0.011 for k, v in expected.items())
         )
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return False

@@ -18,6 +18,7 @@ from environments.hermes_base_env import HermesAgentBaseEnv
 from environments.long_horizon import LongHorizonEnv
 from environments.policies import ScriptedPolicy, call, do_nothing, final
 from environments.swe_bench import SWEBenchEnv
+from environments.tasks.tool_use_chain_tasks import JSON_ANSWERS
 from environments.tool_context import live_task_ids
 from environments.tool_use_chain import ToolUseChainEnv
 from environments.web_navigation import WebNavigationEnv
@@ -227,9 +228,6 @@ def _as_strings(value: Any) -> Any:
     return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
 
 
-_JSON_ANSWERS = {"line_count": ("counts.json", "counts"), "csv_summary": ("summary.json", "totals")}
-
-
 def _answer(item: dict[str, Any], stringly: bool) -> list[dict[str, Any]]:
     """Only the right answer (the oracle's `submit_answer`, or the JSON file the task asks for, written
     from the ground truth), numbers as strings if `stringly`."""
@@ -238,8 +236,8 @@ def _answer(item: dict[str, Any], stringly: bool) -> list[dict[str, Any]]:
         for action in item["oracle"]
         if action.get("tool") == "submit_answer"
     ]
-    if item.get("category") in _JSON_ANSWERS:
-        path, key = _JSON_ANSWERS[item["category"]]
+    if item.get("category") in JSON_ANSWERS:
+        path, key = JSON_ANSWERS[item["category"]]
         answer = item["answer"][key]
         actions.append(call("write_file", path=path, content=json.dumps(_as_strings(answer) if stringly else answer)))
     return [*actions, final("Done.")]
