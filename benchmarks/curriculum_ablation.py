@@ -3,10 +3,13 @@ curriculum vs a uniform mix - judged on the slices round 1 left unmastered.
 
 Run (after `flywheel round` has finished round 1 in the store):
     .venv/bin/python benchmarks/curriculum_ablation.py [--store ./.flywheel] [--profile default]
+        [--mined-from STORE]
 
 Each arm copies the store as it was after round 1 and runs round 2 through `run_round` (the plain
 library calls, no Prefect), with the same profile except `curriculum`: the same generation
-groups, SFT and GRPO steps, held-out items and lm-eval tasks. Printed: per weak slice (unsolved
+groups, SFT and GRPO steps, held-out items and lm-eval tasks. `--mined-from` takes the mined arm
+from a store where the flywheel itself went on from this very round 1 to round 2 with the mined
+curriculum (the same round body, so only the uniform arm runs: half the compute). Printed: per weak slice (unsolved
 or learnable in round 1's curriculum) the held-out success of both candidates, and the totals.
 """
 
@@ -57,10 +60,25 @@ def run_arm(source: Path, workdir: Path, p: RoundProfile) -> tuple[ArtifactStore
     return store, store.resolve("eval/agentic-r2")
 
 
+def finished_mined_arm(source: ArtifactStore, path: Path, profile: str) -> tuple[ArtifactStore, str]:
+    """The mined arm from a store that went on from `source`'s round 1 to round 2 with the mined
+    curriculum; refused unless its round 1 is `source`'s (the same weaknesses artifact)."""
+    store = ArtifactStore(path)
+    if store.try_resolve("weaknesses/weaknesses-r1") != source.resolve("weaknesses/weaknesses-r1"):
+        raise SystemExit(f"error: {path} did not go on from round 1 of {source.url} (another weaknesses-r1)")
+    if store.try_resolve("report/round-2") is None:
+        raise SystemExit(f"error: {path} has no report of round 2")
+    spec = store.manifest("weaknesses/weaknesses-r2").params.get("curriculum")  # Recorded by a mined round only.
+    if spec is None or spec["groups"] != PROFILES[profile].groups:
+        raise SystemExit(f"error: round 2 in {path} did not run profile {profile} with the mined curriculum")
+    return store, store.resolve("eval/agentic-r2")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", default=".flywheel", help="a local store where round 1 has finished")
     parser.add_argument("--profile", default="default", choices=sorted(PROFILES))
+    parser.add_argument("--mined-from", type=Path, help="a store whose round 2 followed this round 1 (mined)")
     args = parser.parse_args()
     source = Path(args.store)
     if completed_rounds(ArtifactStore(source)) != 1:
@@ -69,8 +87,11 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory(prefix="ablation-") as tmp:
         for arm in ("mined", "uniform"):
-            p = PROFILES[args.profile].model_copy(update={"curriculum": arm})
-            store, eval_id = run_arm(source, Path(tmp), p)
+            if arm == "mined" and args.mined_from:
+                store, eval_id = finished_mined_arm(ArtifactStore(source), args.mined_from, args.profile)
+            else:
+                p = PROFILES[args.profile].model_copy(update={"curriculum": arm})
+                store, eval_id = run_arm(source, Path(tmp), p)
             results[arm] = slice_success(store, eval_id, weak)
     print(f"round 2 from the same round-1 champion, profile {args.profile}: held-out success on round 1's weak slices")
     print(f"{'slice':<45} {'mined':>8} {'uniform':>8}")
