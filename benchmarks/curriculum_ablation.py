@@ -84,7 +84,7 @@ def main() -> None:
     if completed_rounds(ArtifactStore(source)) != 1:
         parser.error(f"{source} must hold exactly round 1 (a report of round 1 and none of round 2)")
     weak = weak_slices(ArtifactStore(source))
-    results = {}
+    results, overall = {}, {}
     with tempfile.TemporaryDirectory(prefix="ablation-") as tmp:
         for arm in ("mined", "uniform"):
             if arm == "mined" and args.mined_from:
@@ -93,6 +93,7 @@ def main() -> None:
                 p = PROFILES[args.profile].model_copy(update={"curriculum": arm})
                 store, eval_id = run_arm(source, Path(tmp), p)
             results[arm] = slice_success(store, eval_id, weak)
+            overall[arm] = store.manifest(eval_id).metrics
     print(f"round 2 from the same round-1 champion, profile {args.profile}: held-out success on round 1's weak slices")
     print(f"{'slice':<45} {'mined':>8} {'uniform':>8}")
     totals = {arm: [0, 0] for arm in results}
@@ -106,6 +107,8 @@ def main() -> None:
         print(f"{key:<45} {cells[0]:>8} {cells[1]:>8}")
     rates = {arm: (w / n if n else 0.0) for arm, (w, n) in totals.items()}
     print(f"{'all weak slices':<45} {rates['mined']:>8.2f} {rates['uniform']:>8.2f}")
+    mined_all, uniform_all = (overall[arm]["success_rate"] for arm in ("mined", "uniform"))
+    print(f"{'all held-out items':<45} {mined_all:>8.2f} {uniform_all:>8.2f}")
     print(f"curriculum - uniform: {rates['mined'] - rates['uniform']:+.2f} (goal: > 0)")
 
 
