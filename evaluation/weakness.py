@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from data import ArtifactStore, Manifest
-from evaluation.curriculum import CurriculumConfig, build_curriculum, grpo_mix, plan_generation, wilson
+from evaluation.curriculum import SOURCES, CurriculumConfig, build_curriculum, grpo_mix, plan_generation, wilson
 
 
 class MiningConfig(BaseModel):
@@ -89,6 +89,25 @@ def mine(
     }
 
 
+def policy_outcomes(store: ArtifactStore, rollouts: str) -> list[dict[str, Any]]:
+    """One curriculum outcome per rollout of the `policy` parts of a round's generation: the champion
+    solving (the env verifier's `meta.completed`) or failing a training task of a learnable slice.
+    A slice held out once then needs its own rollouts, not more held-out luck, to count as mastered.
+    Teacher parts say nothing about the model; rollouts lost to infra failures never reach the file."""
+    manifest = store.manifest(rollouts)
+    out = []
+    for part in manifest.params.get("parts", []):
+        relpath = f"{part['env']}-{part['label']}.jsonl"  # `GenerationPart.filename`.
+        if part.get("label") != SOURCES["learnable"] or relpath not in manifest.files:
+            continue  # A teacher part, or one that wrote no group.
+        for line in store.read_bytes(manifest.id, relpath).decode().splitlines():
+            meta = json.loads(line).get("meta") or {}
+            row = {"source": part["env"], "category": meta.get("category") or "unknown"}
+            row["difficulty"] = meta.get("difficulty") or "unknown"
+            out.extend(row | {"success": bool(completed)} for completed in meta.get("completed") or [])
+    return out
+
+
 class CurriculumSpec(BaseModel):
     """What the curriculum covers: the round's envs (each with its categories), difficulty, budget."""
 
@@ -106,10 +125,12 @@ def mine_to_store(
     name: str = "weaknesses",
     curriculum: CurriculumSpec | None = None,
     previous: str | None = None,
+    rollouts: str | None = None,
 ) -> Manifest:
     """Mine every sample of the given eval artifacts into weaknesses.json; with a `curriculum` spec, also
     curriculum.json (each slice's class, the generation plan, the GRPO task mix). `previous`: the last
-    round's weaknesses artifact (slice history, unlocked difficulties)."""
+    round's weaknesses artifact (slice history, unlocked difficulties); `rollouts`: the round's
+    rollouts artifact, whose policy parts (the champion's own rollouts) are curriculum evidence too."""
     samples = []
     for ref in eval_refs:
         manifest = store.manifest(ref)
@@ -123,7 +144,8 @@ def mine_to_store(
     metrics: dict[str, Any] = {"weak_slices": len(result["weak"]), "samples": len(samples)}
     if curriculum is not None:
         last = (stored_curriculum(store, previous) or {}).get("slices") if previous else None
-        slices = build_curriculum(samples, curriculum.families, curriculum.config, last, curriculum.difficulty)
+        evidence = samples + (policy_outcomes(store, rollouts) if rollouts else [])
+        slices = build_curriculum(evidence, curriculum.families, curriculum.config, last, curriculum.difficulty)
         plan = {
             "slices": slices,
             "generate": plan_generation(slices, curriculum.groups, curriculum.config, curriculum.max_turns),
@@ -132,7 +154,7 @@ def mine_to_store(
         files["curriculum.json"] = json.dumps(plan, indent=2)
         classes = Counter(row["class"] for env in slices.values() for row in env["slices"])
         metrics |= {f"slices_{cls}": classes.get(cls, 0) for cls in ("unsolved", "learnable", "mastered", "locked")}
-    parents = [store.resolve(ref) for ref in eval_refs] + ([store.resolve(previous)] if previous else [])
+    parents = [store.resolve(ref) for ref in [*eval_refs, previous, rollouts] if ref]
     params = {"mining": (config or MiningConfig()).model_dump()}
     if curriculum is not None:
         params["curriculum"] = curriculum.model_dump()

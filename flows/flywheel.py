@@ -112,8 +112,9 @@ def run_round(store: ArtifactStore, n: int, p: RoundProfile, stage: StageCall) -
         "gate", round_no=n, evals=evals, candidate=rl_ckpt, champion=start.base, champion_evals=champion_evals
     )
     decision = store.read_json(decision_id, "decision.json")
-    # The next curriculum follows the model the next round starts from.
-    stage("mine", round_no=n, evals=evals if decision["promote"] else champion_evals, previous=start.weaknesses)
+    # The next curriculum follows the model the next round starts from (and what the champion's own rollouts showed).
+    mined = evals if decision["promote"] else champion_evals
+    stage("mine", round_no=n, evals=mined, previous=start.weaknesses, rollouts=rollouts)
     return stage("report", round_no=n, refs=round_refs(store, n)), decision
 
 

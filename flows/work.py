@@ -88,6 +88,9 @@ class GateParams(StageParams):
 class MineParams(StageParams):
     evals: list[str] = Field(description="Eval artifact ids of the champion (after this round's gate) to mine.")
     previous: str | None = Field(default=None, description="The last round's weaknesses artifact id.")
+    rollouts: str | None = Field(
+        default=None, description="This round's rollouts artifact id: the champion's own rollouts count as evidence."
+    )
 
 
 class ReportParams(StageParams):
@@ -302,7 +305,9 @@ def mine(params: MineParams) -> Manifest:
             families=p.families(), difficulty=p.difficulty, groups=p.groups, config=config, max_turns=p.max_turns
         )
     name = f"weaknesses-r{params.round_no}"
-    return mine_to_store(params.store(), params.evals, name=name, curriculum=spec, previous=params.previous)
+    return mine_to_store(
+        params.store(), params.evals, name=name, curriculum=spec, previous=params.previous, rollouts=params.rollouts
+    )
 
 
 def report(params: ReportParams) -> Manifest:

@@ -78,6 +78,31 @@ def test_mining_tracks_slices_across_rounds(store: ArtifactStore) -> None:
     assert "todo_report/medium" in slices["unlocked"]
 
 
+def test_the_champions_own_rollouts_count_toward_mastery(store: ArtifactStore) -> None:
+    """Held out once and solved (1/1), a slice stays learnable; its policy rollouts, all solved, make it
+    mastered and unlock the next difficulty. The teacher's rollouts say nothing about the model."""
+    spec = CurriculumSpec(families={"tool_use_chain": ("line_count",)})
+    slice_ = {"category": "line_count", "difficulty": "easy"}
+    held_out = {"env": "tool_use_chain", "item_id": "h0", "reward": 1.0, "success": True} | slice_
+    evals = store.put("eval", "agentic", {"samples/tool_use_chain.jsonl": _jsonl([held_out])})
+    meta = {"env": "tool_use_chain", "completed": [True, True]} | slice_
+    group = {"scores": [1.0, 1.0], "messages": [], "meta": meta}
+
+    def classes(label: str) -> tuple[dict[str, str], list[str]]:
+        part = {"env": "tool_use_chain", "label": label, "groups": 4}
+        files = {f"tool_use_chain-{label}.jsonl": _jsonl([group] * 4)}
+        rollouts = store.put("rollouts", f"round1-{label}", files, params={"parts": [part]})
+        mined = mine_to_store(store, [evals.id], curriculum=spec, name=f"w-{label}", rollouts=rollouts.id)
+        assert mined.parents == [evals.id, rollouts.id]
+        env = store.read_json(mined.id, "curriculum.json")["slices"]["tool_use_chain"]
+        return {r["slice"]: r["class"] for r in env["slices"]}, env["unlocked"]
+
+    by_teacher, unlocked = classes("teacher")
+    assert by_teacher["line_count/easy"] == "learnable" and unlocked == ["line_count/easy"]
+    by_policy, unlocked = classes("policy")
+    assert by_policy["line_count/easy"] == "mastered" and "line_count/medium" in unlocked
+
+
 def _jsonl(rows: list[dict]) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows)
 

@@ -1,5 +1,6 @@
 """`run_round` with scripted stages (evaluations whose outcomes the test decides; gate and mine for
-real): round 1 starts from round 0's curriculum, round 2 from round 1's, and mastery unlocks."""
+real): round 1 starts from round 0's curriculum (and its rollouts), round 2 from round 1's, and mastery
+unlocks."""
 
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ def test_each_round_follows_the_curriculum_mined_before_it(tmp_path: Path) -> No
     assert generate_r1["plan"] == curriculum_r0["generate"]
     assert generate_r1["plan"]["tool_use_chain"]["teacher"]["mix"]["todo_report/medium"] == 0  # Locked.
     assert set(generate_r1["plan"]["tool_use_chain"]) == {"teacher"}  # The base solved nothing: all teacher.
+    mined_r1 = store.manifest("weaknesses/weaknesses-r1")
+    assert store.resolve("rollouts/round1") in mined_r1.parents  # The round's own rollouts are evidence too.
 
     calls.clear()
     run_round(store, 2, PROFILE, stage)
