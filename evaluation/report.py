@@ -153,6 +153,7 @@ def _costs_markdown(manifests: list[Manifest]) -> str:
     costed = [m for m in manifests if "peak_rss_mb" in m.metrics or "wall_seconds" in m.metrics]
     if not costed:
         return ""
+
     def gb(m: Manifest, key: str) -> str:
         return f"{m.metrics[key] / 1024:.2f} GB" if key in m.metrics else "-"
 

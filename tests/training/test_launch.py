@@ -66,7 +66,9 @@ def _alive(pid: int) -> bool:
 
 
 def test_launch_command_carries_every_override_and_the_store() -> None:
-    command = launch_command(SFTRunConfig(dataset="d"), "cfg.yaml", 2, ["total_steps=5", "learning_rate=1e-4"], "s3://bucket/runs")
+    command = launch_command(
+        SFTRunConfig(dataset="d"), "cfg.yaml", 2, ["total_steps=5", "learning_rate=1e-4"], "s3://bucket/runs"
+    )
     assert command[:4] == ["accelerate", "launch", "--num_processes", "2"] and "--multi_gpu" in command
     cli = command[command.index("-m") + 1 :]
     assert cli == ["flows.cli", "--store", "s3://bucket/runs", "train", "sft", "--config", "cfg.yaml",
@@ -87,6 +89,8 @@ def test_the_launched_process_trains_with_the_overrides(tmp_path: Path) -> None:
 
 
 def test_the_launched_process_saves_into_the_given_store() -> None:
-    result = _run_launched_process(launch_command(SFTRunConfig(dataset="d"), SFT_CONFIG, 2, [], "ftp://elsewhere/store"))
+    result = _run_launched_process(
+        launch_command(SFTRunConfig(dataset="d"), SFT_CONFIG, 2, [], "ftp://elsewhere/store")
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert result.stderr.startswith("error: ") and "ftp://elsewhere/store" in result.stderr
