@@ -9,8 +9,9 @@ Each arm copies the store as it was after round 1 and runs round 2 through `run_
 library calls, no Prefect), with the same profile except `curriculum`: the same generation
 groups, SFT and GRPO steps, held-out items and lm-eval tasks. `--mined-from` takes the mined arm
 from a store where the flywheel itself went on from this very round 1 to round 2 with the mined
-curriculum (the same round body, so only the uniform arm runs: half the compute). Printed: per weak slice (unsolved
-or learnable in round 1's curriculum) the held-out success of both candidates, and the totals.
+curriculum (the same round body, so only the uniform arm runs: half the compute). Printed: per
+weak slice (unsolved or learnable in round 1's curriculum) the held-out success of both
+candidates, and the totals.
 """
 
 from __future__ import annotations
@@ -81,14 +82,15 @@ def main() -> None:
     parser.add_argument("--mined-from", type=Path, help="a store whose round 2 followed this round 1 (mined)")
     args = parser.parse_args()
     source = Path(args.store)
-    if completed_rounds(ArtifactStore(source)) != 1:
+    source_store = ArtifactStore(source)
+    if completed_rounds(source_store) != 1:
         parser.error(f"{source} must hold exactly round 1 (a report of round 1 and none of round 2)")
-    weak = weak_slices(ArtifactStore(source))
+    weak = weak_slices(source_store)
     results, overall = {}, {}
     with tempfile.TemporaryDirectory(prefix="ablation-") as tmp:
         for arm in ("mined", "uniform"):
             if arm == "mined" and args.mined_from:
-                store, eval_id = finished_mined_arm(ArtifactStore(source), args.mined_from, args.profile)
+                store, eval_id = finished_mined_arm(source_store, args.mined_from, args.profile)
             else:
                 p = PROFILES[args.profile].model_copy(update={"curriculum": arm})
                 store, eval_id = run_arm(source, Path(tmp), p)

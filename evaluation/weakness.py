@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from data import ArtifactStore, Manifest
+from environments.generate import GenerationPart
 from evaluation.curriculum import SOURCES, CurriculumConfig, build_curriculum, grpo_mix, plan_generation, wilson
 
 
@@ -96,13 +97,12 @@ def policy_outcomes(store: ArtifactStore, rollouts: str) -> list[dict[str, Any]]
     Teacher parts say nothing about the model; rollouts lost to infra failures never reach the file."""
     manifest = store.manifest(rollouts)
     out = []
-    for part in manifest.params.get("parts", []):
-        relpath = f"{part['env']}-{part['label']}.jsonl"  # `GenerationPart.filename`.
-        if part.get("label") != SOURCES["learnable"] or relpath not in manifest.files:
+    for part in (GenerationPart(**part) for part in manifest.params.get("parts", [])):
+        if part.label != SOURCES["learnable"] or part.filename not in manifest.files:
             continue  # A teacher part, or one that wrote no group.
-        for line in store.read_bytes(manifest.id, relpath).decode().splitlines():
+        for line in store.read_bytes(manifest.id, part.filename).decode().splitlines():
             meta = json.loads(line).get("meta") or {}
-            row = {"source": part["env"], "category": meta.get("category") or "unknown"}
+            row = {"source": part.env, "category": meta.get("category") or "unknown"}
             row["difficulty"] = meta.get("difficulty") or "unknown"
             out.extend(row | {"success": bool(completed)} for completed in meta.get("completed") or [])
     return out

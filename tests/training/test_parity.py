@@ -38,8 +38,8 @@ def policy(conversation: str) -> str:
 def test_grpo_step0_rewards_equal_the_agentic_eval_item_by_item(
     model_store: ArtifactStore,
     tiny_model: Path,
-    fake_openai,
-    tmp_path: Path,  # type: ignore[no-untyped-def]
+    fake_openai,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
 ) -> None:
     import torch
     from datasets import Dataset
