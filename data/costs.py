@@ -43,8 +43,14 @@ def track_costs() -> Iterator[None]:
 
 
 def release_freed_memory() -> None:
-    """Collect unreachable objects and return the allocator's free pages to the system (glibc only)."""
+    """Collect unreachable objects and return the allocator's free pages to the system (glibc only).
+
+    The first call also freezes what survives (`gc.freeze`): by then mostly the imported modules,
+    never garbage, which every later collection would otherwise traverse again (~450k objects,
+    0.2-0.3 s a stage start with torch, transformers and Prefect imported)."""
     gc.collect()
+    if gc.get_freeze_count() == 0:
+        gc.freeze()
     with contextlib.suppress(OSError, AttributeError):  # Not glibc (musl, macOS): nothing to trim this way.
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 

@@ -179,21 +179,24 @@ def wait_until_healthy(
     deadline = time.monotonic() + timeout_s
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     last_error = "no answer"
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise ServerError(f"server exited with code {process.returncode} before becoming healthy")
-        try:
-            response = httpx.get(f"{base_url}/models", headers=headers, timeout=5.0)
-            if response.status_code == 200:
-                models = response.json().get("data") or []
-                if models:
-                    return models[0]["id"]
-                last_error = "it lists no models"
-            else:
-                last_error = f"HTTP {response.status_code}"
-        except (httpx.HTTPError, ValueError) as err:
-            last_error = type(err).__name__
-        time.sleep(0.5)
+    # One client for every poll: a new one builds an SSL context each time (~20-40 ms of CPU taken
+    # from the server that is starting, twice a second).
+    with httpx.Client(headers=headers, timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                raise ServerError(f"server exited with code {process.returncode} before becoming healthy")
+            try:
+                response = client.get(f"{base_url}/models")
+                if response.status_code == 200:
+                    models = response.json().get("data") or []
+                    if models:
+                        return models[0]["id"]
+                    last_error = "it lists no models"
+                else:
+                    last_error = f"HTTP {response.status_code}"
+            except (httpx.HTTPError, ValueError) as err:
+                last_error = type(err).__name__
+            time.sleep(0.5)
     raise ServerError(f"{base_url} did not become healthy within {timeout_s:.0f} s ({last_error})")
 
 

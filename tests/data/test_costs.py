@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 from data import ArtifactStore
@@ -21,6 +23,28 @@ def test_an_artifact_records_the_peak_memory_of_its_stage(tmp_path) -> None:
     assert heavy >= before + 250, (before, heavy)
     with track_costs():  # The peak was reset: the freed ballast does not count for the next stage.
         assert store.put("dataset", "after", {"x": b"1"}).metrics["peak_rss_mb"] < heavy - 250
+
+
+class _Node:
+    """An object that can sit in a reference cycle (only the cyclic collector frees it)."""
+
+
+def test_a_stage_start_collects_cycles_left_after_the_survivors_were_frozen() -> None:
+    """The first stage start freezes what survives (imports); later garbage cycles are still collected."""
+    gc.disable()  # Only track_costs collects here.
+    try:
+        with track_costs():
+            pass
+        assert gc.get_freeze_count() > 0
+        node = _Node()
+        node.itself = node  # type: ignore[attr-defined]
+        alive = weakref.ref(node)
+        del node
+        assert alive() is not None  # A cycle: reference counting alone does not free it.
+        with track_costs():
+            assert alive() is None
+    finally:
+        gc.enable()
 
 
 def _rss_mb() -> float:
