@@ -2,18 +2,26 @@
 agentic evaluation sends (a held-out task's first turn: system prompt, tool schemas, task).
 
 Run: .venv/bin/python benchmarks/serve_throughput.py [--model smollm2] [--requests 16] [--max-tokens 128]
-     [--concurrency 16 4]
+     [--concurrency 16 4] [--agentic EVAL_SIZE]
 
 Each setting serves the same model in turn and answers the same `--requests` chat requests, at
 most `--concurrency` in flight at once (as an evaluation's `eval_concurrency` rollouts are; several
 values: each setting is measured at each). Printed per setting: wall seconds, completion tokens per
 second, and the speed-up over the first setting (the shipped default) at the first concurrency.
+
+`--agentic EVAL_SIZE` measures whole evaluations instead: every env's first EVAL_SIZE held-out
+tasks through the full agent loop (every turn re-sends the growing conversation, so the KV cache's
+size and prefix reuse count, which first turns alone never exercise). Printed per setting: wall
+seconds, the speed-up, and the success rate and completion tokens, which must not change between
+settings (greedy decoding: a setting that changes them changed the answers, not only the speed).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import json
 import tempfile
 import time
 from typing import Any
@@ -22,6 +30,7 @@ import httpx
 
 from data import ArtifactStore
 from environments.registry import TASK_FAMILIES, env_class
+from evaluation.agentic import AgenticEvalConfig, run_agentic_eval
 from inference import ModelServer, ServerConfig
 from training.models import resolve_model
 
@@ -29,6 +38,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "shipped default": {},
     "8192 batch tokens": {"cb_max_batch_tokens": 8192},  # transformers' own default.
     "256 batch tokens": {"cb_max_batch_tokens": 256},
+    "15 % RAM for KV": {"cb_max_memory_percent": 0.15},  # ~3x the cached tokens: prefixes survive between turns.
+    "30 % RAM for KV": {"cb_max_memory_percent": 0.30},
     "no sdpa gqa": {"sdpa_gqa": False},
     "eager attention": {"extra_args": ["--attn-implementation", "eager"]},
     "no continuous batching": {"continuous_batching": False},
@@ -64,6 +75,28 @@ async def answer_all(
         return sum(await asyncio.gather(*(one(request) for request in requests)))
 
 
+def agentic_eval(base_url: str, model: str, model_dir: str, eval_size: int, concurrency: int) -> dict[str, Any]:
+    """Wall seconds, success rate and a digest of every reply of one agentic evaluation (the round's
+    turn and reply caps) against the server."""
+    cfg = AgenticEvalConfig(
+        base_url=base_url, model_name=model, tokenizer=model_dir, eval_size=eval_size, concurrency=concurrency,
+        max_agent_turns=6, max_token_length=128,
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        store = ArtifactStore(tmp)
+        started = time.perf_counter()
+        manifest = run_agentic_eval(cfg, store)
+        seconds = time.perf_counter() - started
+        texts = [store.read_bytes(manifest.id, f"samples/{name}.jsonl") for name in cfg.envs]
+    samples = [json.loads(line) for text in texts for line in text.splitlines()]
+    replies = [
+        [m.get("content"), [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []]]
+        for s in samples for m in s["messages"] if m["role"] == "assistant"
+    ]  # fmt: skip
+    digest = hashlib.sha256(json.dumps(replies).encode()).hexdigest()[:12]  # Tool-call ids are random: left out.
+    return {"seconds": seconds, "success": manifest.metrics["success_rate"], "replies": digest}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
@@ -71,21 +104,28 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--only", nargs="*", default=list(SETTINGS), help="Settings (the first is the baseline).")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16], help="Requests in flight at once.")
+    parser.add_argument("--agentic", type=int, metavar="EVAL_SIZE", help="Whole agentic evaluations instead.")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:  # A built-in model is prepared once, then found in the cache.
         model_dir = str(resolve_model(args.model, ArtifactStore(tmp)))
-    requests = first_turns(model_dir, args.requests)
+    requests = [] if args.agentic else first_turns(model_dir, args.requests)
     baseline = None
     for name in args.only:
         with ModelServer(ServerConfig(model=model_dir, **SETTINGS[name])) as server:
             for concurrency in args.concurrency:
+                label = f"{name}, {concurrency} in flight"
+                if args.agentic:
+                    run = agentic_eval(server.base_url, server.model_name or "", model_dir, args.agentic, concurrency)
+                    baseline = baseline or run["seconds"]
+                    print(f"{label:36s} {run['seconds']:7.1f} s x{baseline / run['seconds']:.2f}  success "
+                          f"{run['success']:.3f}  replies {run['replies']}", flush=True)  # fmt: skip
+                    continue
                 started = time.perf_counter()
                 answer = answer_all(server.base_url, server.model_name or "", requests, args.max_tokens, concurrency)
                 tokens = asyncio.run(answer)
                 seconds = time.perf_counter() - started
                 rate = tokens / seconds
                 baseline = baseline or rate
-                label = f"{name}, {concurrency} in flight"
                 print(f"{label:36s} {seconds:7.1f} s {tokens:6d} tokens {rate:7.1f} tokens/s x{rate / baseline:.2f}",
                       flush=True)  # fmt: skip
 
