@@ -40,6 +40,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "256 batch tokens": {"cb_max_batch_tokens": 256},
     "15 % RAM for KV": {"cb_max_memory_percent": 0.15},  # ~3x the cached tokens: prefixes survive between turns.
     "30 % RAM for KV": {"cb_max_memory_percent": 0.30},
+    "64-token blocks": {"extra_args": ["--cb-block-size", "64"]},  # Prefixes shared to the nearest 64 tokens.
+    "64-token blocks, 15 % RAM": {"cb_max_memory_percent": 0.15, "extra_args": ["--cb-block-size", "64"]},
     "no sdpa gqa": {"sdpa_gqa": False},
     "eager attention": {"extra_args": ["--attn-implementation", "eager"]},
     "no continuous batching": {"continuous_batching": False},
