@@ -50,7 +50,12 @@ class CurriculumConfig(BaseModel):
         description="Wilson interval width (1.96: 95 %; the CPU presets use 1.0, 68 %, as "
         "they hold out about one item per slice).",
     )
-    replay: float = Field(default=0.1, ge=0, description="Generation weight of a mastered slice (against forgetting).")
+    replay: float = Field(
+        default=0.5,
+        ge=0,
+        description="Generation weight of a mastered slice, against forgetting (at 0.1 a default round replayed "
+        "one group of a mastered slice, and the candidate lost every tool_use_chain item it had solved).",
+    )
     focus: int | None = Field(
         default=None,
         ge=1,
