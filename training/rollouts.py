@@ -43,7 +43,7 @@ class _Request:
 # (benchmarks/serve_throughput.py), and 64-token cache pages so that shared prefixes (an env's tool
 # schemas, the earlier turns of a conversation) are read from the cache rather than recomputed.
 PAGED_BATCH_TOKENS = 1024
-PAGED_MEMORY_SHARE = 0.05
+PAGED_MEMORY_SHARE = 0.15
 PAGE_TOKENS = 64
 
 

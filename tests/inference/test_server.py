@@ -51,7 +51,8 @@ def test_transformers_command_caps_kv_cache(tiny_model: Path) -> None:
     command = build_command(ServerConfig(model=str(tiny_model)), 8123)
     assert command[:3] == ["transformers", "serve", str(tiny_model)]
     assert "--continuous-batching" in command
-    assert command[command.index("--cb-max-memory-percent") + 1] == "0.05"
+    assert command[command.index("--cb-max-memory-percent") + 1] == "0.15"
+    assert command[command.index("--cb-block-size") + 1] == "64"  # Prefix reuse to the nearest 64 tokens.
     assert command[command.index("--cb-max-batch-tokens") + 1] == "1024"  # Not the library's slow 8192.
     assert command[command.index("--device") + 1] == "cpu"
     plain = build_command(ServerConfig(model=str(tiny_model), continuous_batching=False), 8123)
