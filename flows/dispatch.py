@@ -71,7 +71,7 @@ def without_heartbeat() -> SettingsContext:
 
     The parent run's heartbeat already covers it, and a subflow's own heartbeat thread is joined at
     its end, up to 2 s per stage (Prefect 3.9 sleeps in 1 s steps). A plain copy, not
-    `temporary_settings`: that re-validates every Prefect setting from the environment, ~0.2 s a stage.
+    `temporary_settings`: that re-validates every Prefect setting from the environment, ~46 ms a stage.
     """
     context = get_settings_context()
     flows = context.settings.flows.model_copy(update={"heartbeat_frequency": None})
