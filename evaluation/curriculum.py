@@ -6,8 +6,9 @@ Each slice (env, category, difficulty) gets a class from Wilson intervals on its
   solved gives rejection sampling nothing to keep): teacher demonstrations for SFT;
 - *learnable* (in between, with a success seen): the champion's own rollouts (rejection-sampled
   into SFT rows and preference pairs) and GRPO tasks weighted by learnability p(1 - p);
-- *mastered* (lower bound over `high`): a small replay share, and the category's next
-  difficulty unlocks (it stays unlocked in later rounds);
+- *mastered* (lower bound over `high`): a small replay share of the champion's own rollouts
+  (its successes keep what it does there in SFT: a teacher's different procedure made it forget),
+  and the category's next difficulty unlocks (it stays unlocked in later rounds);
 - *locked*: a harder difficulty whose easier one is not mastered yet: nothing.
 
 A held-out set has only a few items per slice, so thin evidence climbs to the slice's parents
@@ -36,7 +37,7 @@ from environments.registry import teacher_turns
 from environments.task_stream import DIFFICULTIES
 
 SliceClass = Literal["unsolved", "learnable", "mastered", "locked"]
-SOURCES = {"unsolved": "teacher", "learnable": "policy", "mastered": "teacher", "locked": None}
+SOURCES = {"unsolved": "teacher", "learnable": "policy", "mastered": "policy", "locked": None}
 
 
 class CurriculumConfig(BaseModel):

@@ -92,7 +92,7 @@ def mine(
 
 def policy_outcomes(store: ArtifactStore, rollouts: str) -> list[dict[str, Any]]:
     """One curriculum outcome per rollout of the `policy` parts of a round's generation: the champion
-    solving (the env verifier's `meta.completed`) or failing a training task of a learnable slice.
+    solving (the env verifier's `meta.completed`) or failing a training task of a learnable or mastered slice.
     A slice held out once then needs its own rollouts, not more held-out luck, to count as mastered.
     Teacher parts say nothing about the model; rollouts lost to infra failures never reach the file."""
     manifest = store.manifest(rollouts)

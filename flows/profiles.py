@@ -70,6 +70,10 @@ class RoundProfile(BaseModel):
         default=None,
         description="SFT and GRPO recompute activations in the backward (None: the device's default, on for CUDA).",
     )
+    mixed_precision: bool | None = Field(
+        default=None,
+        description="SFT and GRPO on CPU: bf16 autocast over fp32 weights (None: where the CPU has bf16 dot products).",
+    )
     sft_batch_size: int = Field(default=4, ge=1, description="SFT conversations per device per micro-batch.")
     sft_gradient_accumulation: int = Field(
         default=1, ge=1, description="SFT micro-batches per step (a step sees batch size x this conversations)."

@@ -200,10 +200,11 @@ def rl_config(params: RLParams) -> GRPORunConfig:
 
 
 def _hardware(p: RoundProfile) -> dict[str, Any]:
-    """Device, threads, step checkpoints and multi-GPU sharding of a training stage."""
+    """Device, threads, memory and precision trade-offs, step checkpoints and multi-GPU sharding of a training stage."""
     sharding = {"fsdp": True} if p.sharding == "fsdp" else {"deepspeed": p.sharding}
     hardware = {"device": p.device, "num_threads": p.threads, "save_steps": p.save_steps}
-    return hardware | {"gradient_checkpointing": p.gradient_checkpointing} | (sharding if p.gpus > 1 else {})
+    hardware |= {"gradient_checkpointing": p.gradient_checkpointing, "mixed_precision": p.mixed_precision}
+    return hardware | (sharding if p.gpus > 1 else {})
 
 
 def server_config(p: RoundProfile, model_dir: str, planned: bool = False) -> ServerConfig:

@@ -62,6 +62,11 @@ class TrainConfig(BaseModel):
         description="Recompute activations in the backward: memory for time (None: the device's default, on for "
         "CUDA, off for CPU).",
     )
+    mixed_precision: bool | None = Field(
+        default=None,
+        description="bf16 autocast over fp32 weights on CPU (None: the device's default, on where the CPU has bf16 "
+        "dot products; CUDA always trains in bf16).",
+    )
     # -- checkpoints and logging
     save_steps: int = Field(
         default=0, ge=0, description="Step checkpoint every N steps, mirrored to the store (0: off)."
@@ -102,9 +107,14 @@ class TrainConfig(BaseModel):
         }
         if self.gradient_checkpointing is not None:
             kwargs["gradient_checkpointing"] = self.gradient_checkpointing
-        if self.deepspeed:  # DeepSpeed also runs on CPU (gloo), without `use_cpu`.
+        if self.mixed_precision is not None:
+            kwargs["bf16"] = self.mixed_precision
+        if self.deepspeed:  # DeepSpeed also runs on CPU (gloo), without `use_cpu`, so in fp32 there.
             kwargs["deepspeed"] = str(DEEPSPEED_DIR / f"{self.deepspeed}.json")
-            kwargs.pop("use_cpu", None)
+            if kwargs.pop("use_cpu", False):
+                if self.mixed_precision:
+                    raise ValueError("mixed_precision on CPU cannot run under DeepSpeed (it runs without use_cpu)")
+                kwargs["bf16"] = False
         if self.fsdp:
             kwargs["fsdp"] = "full_shard auto_wrap"
         return kwargs

@@ -72,6 +72,7 @@ class PolicyServer:
         self._queue: list[_Request] = []
         self._managers: dict[float, Any] = {}  # Temperature -> continuous-batching manager.
         self._was_training: bool | None = None
+        self._autocast_forward: Any = None  # Accelerate's bf16 wrapper of `forward`, lifted while generating.
         self._stops: set[int] = set()  # End-of-reply token ids, found when the first manager starts.
 
     @classmethod
@@ -100,6 +101,8 @@ class PolicyServer:
         if self._was_training is not None:
             self.model().train(self._was_training)
             self._was_training = None
+        if self._autocast_forward is not None:
+            self.model().forward, self._autocast_forward = self._autocast_forward, None
 
     async def chat_completion(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
         prompt = self.tokenizer.apply_chat_template(
@@ -150,6 +153,10 @@ class PolicyServer:
         model = self.model()
         if self._was_training is None:
             self._was_training = model.training
+        if self._autocast_forward is None and "_original_forward" in model.__dict__:
+            # Under mixed precision, accelerate wraps `forward` in bf16 autocast, which would write bf16 keys
+            # into the fp32 paged cache: generation runs in fp32, as the model server does.
+            self._autocast_forward, model.forward = model.forward, model._original_forward
         self._stops = self._stops or _eos_ids(model, self.tokenizer)
         config = copy.deepcopy(model.generation_config)
         config.update(max_new_tokens=self.max_new_tokens, eos_token_id=sorted(self._stops))

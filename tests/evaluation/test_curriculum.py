@@ -84,9 +84,11 @@ def test_the_generation_plan_routes_classes_to_actors_and_generation_follows_it_
     assert rows["csv_summary/medium"]["groups"] == 10
     assert not any(row["groups"] for row in rows.values() if row["class"] == "locked")
     teacher, policy = plan["tool_use_chain"]["teacher"], plan["tool_use_chain"]["policy"]
-    assert policy["groups"] == 10 and {s for s, w in policy["mix"].items() if w} == {"line_count/easy"}
-    assert teacher["groups"] == 21  # Unsolved demonstrations + the mastered slice's replay.
-    assert {s for s, w in teacher["mix"].items() if w} == {"todo_report/easy", "csv_summary/easy", "csv_summary/medium"}
+    # The champion's own rollouts: the learnable slice, and the mastered slice's replay (its own way of solving it).
+    assert policy["groups"] == 11
+    assert {s for s, w in policy["mix"].items() if w} == {"line_count/easy", "csv_summary/easy"}
+    assert teacher["groups"] == 20  # Unsolved demonstrations only.
+    assert {s for s, w in teacher["mix"].items() if w} == {"todo_report/easy", "csv_summary/medium"}
     # A stream with the part's mix yields exactly the planned count of every slice.
     stream = TaskStream("tool_use_chain", tool_use_chain_tasks.make_task, CATEGORIES, seed=3, mix=teacher["mix"])
     drawn = Counter(f"{c}/{d}" for c, d in (stream.slice_of(i) for i in range(teacher["groups"])))

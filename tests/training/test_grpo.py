@@ -311,7 +311,12 @@ def test_grpo_draws_each_env_by_its_curriculum_share(tiny_model: Path) -> None:
         )
 
 
-def test_the_policy_server_generates_as_generate_does_and_restores_the_model(tiny_model: Path) -> None:
+@pytest.mark.parametrize("mixed_precision", [False, True], ids=["fp32", "bf16-autocast"])
+def test_the_policy_server_generates_as_generate_does_and_restores_the_model(
+    tiny_model: Path, mixed_precision: bool
+) -> None:
+    """Under mixed precision too: the trainer's bf16 autocast wrapper is lifted while generating (its bf16 keys
+    would not fit the fp32 paged cache) and put back for training."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model, padding_side="left")
@@ -327,10 +332,16 @@ def test_the_policy_server_generates_as_generate_does_and_restores_the_model(tin
     async def ask(server: PolicyServer) -> list:
         return await asyncio.gather(*(server.chat_completion(m, temperature=0.0) for m in conversations))
 
+    if mixed_precision:  # What `accelerate` does to a model it prepares for bf16 mixed precision.
+        model._original_forward = model.forward
+        model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+    wrapper = model.forward
+
     with PolicyServer(lambda: model, tokenizer, top_k=0, max_new_tokens=12) as server:
         replies = asyncio.run(ask(server))
         sampled = asyncio.run(server.chat_completion(conversations[0], temperature=1.0, max_tokens=5))
         assert not model.training  # Generation runs in eval mode...
     assert model.training  # ...and closing puts the model back.
+    assert model.forward == wrapper  # With its autocast, if it had one.
     assert [r.choices[0].message.content for r in replies] == expected  # Paged, concurrent: same greedy replies.
     assert 1 <= sampled.usage.completion_tokens <= 5

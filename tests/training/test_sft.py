@@ -84,9 +84,11 @@ def sft_rows(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.parametrize("mixed_precision", [False, True], ids=["fp32", "bf16-autocast"])
 def test_sft_moves_the_loss_and_the_weights(
-    model_store: ArtifactStore, tiny_model: Path, sft_rows: Path, tmp_path: Path
+    model_store: ArtifactStore, tiny_model: Path, sft_rows: Path, tmp_path: Path, mixed_precision: bool
 ) -> None:
+    """In fp32 and under bf16 autocast alike (the CPU default where bf16 is native): the saved weights stay fp32."""
     from safetensors.torch import load_file
 
     cfg = SFTRunConfig(
@@ -98,7 +100,9 @@ def test_sft_moves_the_loss_and_the_weights(
         max_length=128,
         logs_root=str(tmp_path / "logs"),
         output_name="sft-test",
+        mixed_precision=mixed_precision,
     )
+    assert trainer_args(cfg, tmp_path / "out").bf16 is mixed_precision
     manifest = run_sft(cfg, model_store)
     assert manifest.kind == "checkpoint" and manifest.metrics["steps"] == 20
     assert manifest.metrics["final_loss"] < 0.8 * manifest.metrics["first_loss"]
@@ -107,6 +111,7 @@ def test_sft_moves_the_loss_and_the_weights(
     base = load_file(str(tiny_model / "model.safetensors"))
     changed = [k for k in base if not torch.equal(base[k], trained[k])]
     assert len(changed) >= len(base) // 2
+    assert {t.dtype for t in trained.values()} == {torch.float32}
     metrics = [json.loads(line) for line in next((tmp_path / "logs").glob("run-*")).joinpath("metrics.jsonl").open()]
     assert sum("loss" in m for m in metrics) == 20
     assert "run/sft-test" in model_store.refs()
