@@ -84,7 +84,9 @@ def test_each_round_follows_the_curriculum_mined_before_it(tmp_path: Path) -> No
     classes = {r["slice"]: r["class"] for r in curriculum_r1["slices"]["tool_use_chain"]["slices"]}
     assert classes["todo_report/easy"] == "mastered" and classes["todo_report/medium"] == "unsolved"
     assert curriculum_r1["slices"]["tool_use_chain"]["newly_unlocked"] == ["todo_report/medium"]
-    teacher = got["generate"]["plan"]["tool_use_chain"]["teacher"]["mix"]
-    assert teacher["todo_report/medium"] > teacher["todo_report/easy"] > 0  # New work, and a little replay.
+    plan = got["generate"]["plan"]["tool_use_chain"]
+    teacher, policy = plan["teacher"]["mix"], plan["policy"]["mix"]
+    assert teacher["todo_report/medium"] > 0 and teacher["todo_report/easy"] == 0  # New work from the teacher...
+    assert teacher["todo_report/medium"] > policy["todo_report/easy"] > 0  # ...a little replay of the champion's own.
     assert got["rl"]["task_mix"]["tool_use_chain"]["todo_report/easy"] == 0  # GRPO leaves the mastered slice.
     assert store.manifest(report).parents  # The report is built from the round's artifacts.
