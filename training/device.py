@@ -3,8 +3,8 @@
 Every trainer, the inference server and `flywheel plan` read `DeviceSettings`, so no stage
 hard-codes a device: on CUDA, bf16, flash attention when installed (else SDPA), gradient
 checkpointing and vLLM; on CPU, fp32 weights, `use_cpu`, explicit threads and `transformers serve`,
-with bf16 autocast where the CPU has bf16 dot products (AVX512-BF16 or AMX: SmolLM2's forward and
-backward 1.5-1.8x faster, benchmarks/sft_throughput.py); elsewhere bf16 is emulated, and slower.
+with bf16 autocast where the CPU has bf16 dot products (AVX512-BF16 or AMX; docs/architecture.md has
+the measured gain); elsewhere bf16 is emulated, and slower.
 """
 
 from __future__ import annotations
