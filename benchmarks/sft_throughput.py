@@ -54,7 +54,7 @@ def main() -> None:
     import sys
 
     from data import ArtifactStore
-    from training.device import DeviceSettings
+    from training.device import cpu_computes_bf16
     from training.models import resolve_model
     from training.sft import SFTRunConfig
 
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--fp32", action="store_true", help="Also time our stage without bf16 autocast.")
     args = parser.parse_args()
-    bf16 = DeviceSettings.for_device("cpu").bf16
+    bf16 = cpu_computes_bf16()
     store = ArtifactStore()
     model_dir = str(resolve_model(args.model, store))
     with tempfile.TemporaryDirectory() as tmp:

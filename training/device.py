@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import asdict, dataclass
+from functools import cache
 from typing import Any, Literal
 
 Device = Literal["cpu", "cuda"]
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 
 
+@cache
 def cpu_computes_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (x86 AVX512-BF16 or AMX-BF16)."""
     import torch
