@@ -4,9 +4,9 @@ plain script, side by side in one process, against a real local Prefect server.
 Run: .venv/bin/python benchmarks/orchestration_overhead.py [--profile quick] [--repeats 1]
 
 "plain" calls `flows.work` stage by stage (exactly what each stage flow runs, without Prefect);
-"flows" runs the `flywheel` flow (local dispatch: task + subflow per stage, cache records, UI
-artifacts, API calls). Both start from an empty store. Printed: each stage's seconds both ways
-(a flow stage's from its subflow run in the API), then
+"flows" runs the `flywheel` flow (local dispatch: a cached task run per stage, cache records, UI
+artifacts, run logs, API calls). Both start from an empty store. Printed: each stage's seconds both
+ways (a flow stage's from its task run in the API), then
 - overhead = flows / plain - 1 (aim < 3 %);
 - no-change re-run = the same round again through the flows / the first flows run (aim < 2 %).
 Plain and flows alternate when --repeats > 1, and the medians are compared.
@@ -48,20 +48,20 @@ def plain_round(store_url: str, p: RoundProfile, seconds: dict[str, float] | Non
 
 
 def flows_round(profile: str, store_url: str, **options: Any) -> tuple[float, dict[str, float]]:
-    """The `flywheel` flow's wall time, and each stage subflow's (`<stage>-r<round>`, from the Prefect API)."""
+    """The `flywheel` flow's wall time, and each stage task run's (`<stage>-r<round>`, from the Prefect API)."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     from flows.flywheel import flywheel  # Prefect reads its settings on import: after the server is up.
 
     started = time.perf_counter()
     state = flywheel(profile=profile, store_url=store_url, return_state=True, **options)
     seconds = time.perf_counter() - started
-    parent = FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[state.state_details.flow_run_id]))
+    parent = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
 
     async def read() -> dict[str, float]:
         async with get_client() as client:
-            runs = await client.read_flow_runs(flow_run_filter=parent)
+            runs = await client.read_task_runs(flow_run_filter=parent)
         return {run.name: (run.end_time - run.start_time).total_seconds() for run in runs if run.end_time}
 
     return seconds, asyncio.run(read())

@@ -3,7 +3,7 @@
 Run: .venv/bin/python docs/ui_screenshot.py [--out docs/prefect-ui-round.png] [--profile tiny]
 
 Starts a local Prefect server with its UI, runs one round of the given profile against it (local
-dispatch: every stage is a subflow of the round), then has Chromium render the round's flow-run
+dispatch: every stage is a task run of the round), then has Chromium render the round's flow-run
 page (the run graph, stage states and run names) into a PNG. Needs Debian's `chromium`.
 """
 

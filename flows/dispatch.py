@@ -14,8 +14,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-from prefect import tags, task
-from prefect.context import SettingsContext, TaskRunContext, get_settings_context
+from prefect import task
+from prefect.context import TaskRunContext
 from prefect.deployments import run_deployment
 from prefect.filesystems import RemoteFileSystem
 
@@ -66,18 +66,6 @@ def result_storage(store: ArtifactStore) -> Path | str:
     return f"remote-file-system/{name}"
 
 
-def without_heartbeat() -> SettingsContext:
-    """The current settings with flow-run heartbeats off, for an in-process subflow.
-
-    The parent run's heartbeat already covers it, and a subflow's own heartbeat thread is joined at
-    its end, up to 2 s per stage (Prefect 3.9 sleeps in 1 s steps). A plain copy, not
-    `temporary_settings`: that re-validates every Prefect setting from the environment, ~46 ms a stage.
-    """
-    context = get_settings_context()
-    flows = context.settings.flows.model_copy(update={"heartbeat_frequency": None})
-    return SettingsContext(profile=context.profile, settings=context.settings.model_copy(update={"flows": flows}))
-
-
 @task(
     name="stage",
     task_run_name="{stage}-r{params.round_no}",
@@ -85,15 +73,21 @@ def without_heartbeat() -> SettingsContext:
     persist_result=True,
 )
 def run_stage(stage: str, params: StageParams, dispatch: Dispatch = "local") -> str:
-    """Run `stage` and return the id of the artifact it made."""
-    run_tags = ["flywheel", f"round-{params.round_no}", f"stage-{stage}"]
+    """Run `stage` and return the id of the artifact it made.
+
+    Locally the stage's body runs inside this task run (`Flow.fn`: its logs, tables and progress bars
+    attach to the task run `<stage>-r<round>`). A subflow per stage would add ~0.5 s of blocking API
+    calls each (flow-run creation, state proposals, a client with its version check), and tags on the
+    task run one more (Prefect acquires tag concurrency slots for a tagged task run, 0.5-2 s against
+    a local SQLite server): both measured by `benchmarks/orchestration_overhead.py`. Deployed, the
+    stage is its own flow run on its pool, tagged with its round and stage.
+    """
     if dispatch == "local":
-        with tags(*run_tags), without_heartbeat():
-            return STAGES[stage].flow(params)
+        return STAGES[stage].flow.fn(params)
     flow_run = run_deployment(
         STAGES[stage].deployment,
         parameters={"params": params.model_dump(mode="json")},
-        tags=run_tags,
+        tags=["flywheel", f"round-{params.round_no}", f"stage-{stage}"],
         timeout=None,  # Wait as long as the stage runs; its own deployment sets any time limit.
         poll_interval=1,  # Prefect's default (5 s) idles 2.5 s on average after every stage ends.
     )

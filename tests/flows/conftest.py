@@ -26,9 +26,11 @@ def flow_runs(env: dict[str, str], **flow_run_filter: Any) -> list[dict[str, Any
     return response.json()
 
 
-def task_runs(env: dict[str, str], flow_run_id: str) -> list[dict[str, Any]]:
-    """Task runs of one flow run."""
-    body = {"task_runs": {"flow_run_id": {"any_": [flow_run_id]}}}
+def task_runs(env: dict[str, str], flow_run_id: str | None = None, **task_run_filter: Any) -> list[dict[str, Any]]:
+    """Task runs (of one flow run, when given) from the server's REST API (`task_runs` filter body)."""
+    if flow_run_id is not None:
+        task_run_filter["flow_run_id"] = {"any_": [flow_run_id]}
+    body = {"task_runs": task_run_filter}
     response = httpx.post(f"{env['PREFECT_API_URL']}/task_runs/filter", json=body, timeout=10)
     response.raise_for_status()
     return response.json()

@@ -34,7 +34,8 @@ def test_a_round_killed_in_sft_resumes_without_recomputing(
         round_command(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     deadline = time.monotonic() + 300
-    while not any(r["name"] == "sft-r1" for r in flow_runs(prefect_server, state={"type": {"any_": ["RUNNING"]}})):
+    running = {"name": {"any_": ["sft-r1"]}, "state": {"type": {"any_": ["RUNNING"]}}}
+    while not task_runs(prefect_server, **running):
         assert process.poll() is None and time.monotonic() < deadline, "the round never reached SFT"
         time.sleep(0.1)
     os.killpg(process.pid, signal.SIGKILL)
