@@ -89,6 +89,8 @@ def main() -> None:
             flows.append(seconds)
             rerun.append(flows_round(args.profile, store, first_round=1)[0])
     plain_s, flows_s, rerun_s = (statistics.median(x) for x in (plain, flows, rerun))
+    for i, (a, b) in enumerate(zip(plain, flows, strict=True)):  # The spread between repeats is the noise floor.
+        print(f"repeat {i + 1}: plain {a:.1f}s, flows {b:.1f}s ({b / a - 1:+.1%})")
     print(f"{'stage (last repeat)':16s} {'plain s':>8s} {'flow s':>8s}")
     for name, seconds in plain_stages.items():
         print(f"{name:16s} {seconds:8.1f} {flow_stages.get(name, float('nan')):8.1f}")

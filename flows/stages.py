@@ -13,7 +13,6 @@ test) derive from.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,6 @@ from prefect.artifacts import create_table_artifact
 from prefect.concurrency.sync import concurrency
 
 from data import Manifest
-from data.costs import track_costs
 from evaluation.weakness import stored_curriculum
 from flows import work
 from flows.profiles import RoundProfile
@@ -44,19 +42,11 @@ from flows.work import (
 POOLS = {"gpu": "h100", "cpu": "cpu"}  # The work pools of prefect.yaml and `flywheel infra setup`.
 
 
-def stage_flow(name: str, costed: bool = True) -> Callable[[Callable[..., str]], Any]:
-    """The stage decorator: run name `<stage>-r<round>`, result persisted (`run_deployment` reads it),
-    and (`costed`) the stage's peak memory in its artifacts' metrics, wherever it runs. Stages whose
-    artifacts are a pure function of their inputs (curate, gate, mine, report) record none, so their
-    content ids, and every cache and resume key downstream, stay reproducible."""
+def stage_flow(name: str) -> Callable[[Callable[..., str]], Any]:
+    """The stage decorator: run name `<stage>-r<round>`, result persisted (`run_deployment` reads it)."""
 
     def decorate(fn: Callable[..., str]) -> Any:
-        @functools.wraps(fn)
-        def run(params: Any) -> str:
-            with track_costs() if costed else contextlib.nullcontext():
-                return fn(params)
-
-        return flow(name=name, flow_run_name=stage_run_name(name), persist_result=True)(run)
+        return flow(name=name, flow_run_name=stage_run_name(name), persist_result=True)(fn)
 
     return decorate
 
@@ -79,7 +69,7 @@ def generate(params: GenerateParams) -> str:
     return manifest.id
 
 
-@stage_flow("curate", costed=False)
+@stage_flow("curate")
 def curate(params: CurateParams) -> str:
     """Rollouts -> SFT set and preference pairs, with their data cards."""
     manifest = work.curate(params)
@@ -126,7 +116,7 @@ def lm_eval(params: LMEvalParams) -> str:
     return manifest.id
 
 
-@stage_flow("gate", costed=False)
+@stage_flow("gate")
 def promote(params: GateParams) -> str:
     """Promote the candidate to `champion` only when it wins (paired bootstrap + guards)."""
     manifest = work.promote(params)
@@ -141,7 +131,7 @@ def promote(params: GateParams) -> str:
     return manifest.id
 
 
-@stage_flow("mine", costed=False)
+@stage_flow("mine")
 def mine(params: MineParams) -> str:
     """Failure slices with confidence intervals -> the next round's curriculum (both shown in the UI)."""
     manifest = work.mine(params)
@@ -159,7 +149,7 @@ def mine(params: MineParams) -> str:
     return manifest.id
 
 
-@stage_flow("report", costed=False)
+@stage_flow("report")
 def report(params: ReportParams) -> str:
     """The round's HTML report; its markdown summary also goes to the UI."""
     manifest = work.report(params)

@@ -4,13 +4,15 @@ benchmark runs as its plain-script baseline (so the two measure the same work)."
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec
 
 from pydantic import BaseModel, Field
 
 from data import ArtifactStore, Manifest
-from data.costs import counting_process
+from data.costs import counting_process, track_costs
 from data.curation import curate_to_store
 from environments.generate import GenerationPart, generate_rollouts
 from evaluation.agentic import AgenticEvalConfig, Progress, run_agentic_eval
@@ -31,6 +33,21 @@ from training.sft import NoExampleFits, SFTRunConfig
 
 logger = logging.getLogger(__name__)
 SEED_OFFSETS = {"teacher": 0, "policy": 500_000}  # Training streams; held-out items use eval_seed 1,000,000.
+P = ParamSpec("P")
+
+
+def costed(stage: Callable[P, Manifest]) -> Callable[P, Manifest]:
+    """Cost accounting: the stage's peak memory in the metrics of the artifacts it puts, however it runs
+    (a flow, a deployment, a plain script). Stages whose artifacts are a pure function of their inputs
+    (curate, gate, mine, report) are not costed, so their content ids, and every cache and resume key
+    downstream, stay reproducible."""
+
+    @functools.wraps(stage)
+    def run(*args: P.args, **kwargs: P.kwargs) -> Manifest:
+        with track_costs():
+            return stage(*args, **kwargs)
+
+    return run
 
 
 class StageParams(BaseModel):
@@ -97,6 +114,7 @@ class ReportParams(StageParams):
     refs: list[str] = Field(description="Eval, weaknesses and gate artifact ids.")
 
 
+@costed
 def generate(params: GenerateParams) -> Manifest:
     """Rollouts in `process` mode as the curriculum's plan says: the teacher on unsolved (and replayed
     mastered) slices, the round's base model, served, on learnable ones; no plan: the teacher on all."""
@@ -217,6 +235,7 @@ def server_config(p: RoundProfile, model_dir: str, planned: bool = False) -> Ser
     return ServerConfig.model_validate(fields, context={"planned": planned})
 
 
+@costed
 def sft(params: SFTParams, callbacks: list[Any] | None = None) -> Manifest:
     """Supervised fine-tuning (TRL SFTTrainer) on the curated set; an empty set (every rollout of the
     round failed) or one whose conversations all exceed `sft_max_length` trains nothing and passes
@@ -232,6 +251,7 @@ def sft(params: SFTParams, callbacks: list[Any] | None = None) -> Manifest:
         return store.manifest(params.base)
 
 
+@costed
 def rl(params: RLParams, callbacks: list[Any] | None = None) -> Manifest:
     """GRPO in the round's environment, KL to the SFT checkpoint."""
     return _train(rl_config(params), params, callbacks)
@@ -244,6 +264,7 @@ def _train(cfg: TrainConfig, params: StageParams, callbacks: list[Any] | None) -
     return run_training(cfg, params.store(), callbacks=callbacks)
 
 
+@costed
 def evaluate(params: EvaluateParams, progress: Progress | None = None) -> Manifest:
     """Serve the model and run the agentic evaluation on the env's held-out tasks; `progress(env, done, total)`."""
     p, store = params.profile, params.store()
@@ -266,6 +287,7 @@ def evaluate(params: EvaluateParams, progress: Progress | None = None) -> Manife
         return run_agentic_eval(cfg, store, model_ref_of(store, params.model), progress=progress)
 
 
+@costed
 def lm_eval(params: LMEvalParams) -> Manifest:
     """The profile's lm-eval tasks on the model: `hf` in this process on CPU, `vllm` on CUDA."""
     store = params.store()
