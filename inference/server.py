@@ -277,17 +277,20 @@ class ModelServer:
         return self
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """Terminate the server's process group: SIGTERM, then SIGKILL after `grace_s`."""
+        """Terminate the server's process group: SIGTERM, then SIGKILL after `grace_s`; return once
+        every process of the group is gone (the server exiting does not wait for what it spawned)."""
         process = self.process
         _LIVE.discard(self)
-        if process is None or process.poll() is not None:
+        if process is None:
             return
-        _signal_group(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            _signal_group(process.pid, signal.SIGKILL)
-            process.wait(timeout=grace_s)
+        if process.poll() is None:
+            _signal_group(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(process.pid, signal.SIGKILL)
+                process.wait(timeout=grace_s)
+        _sweep_group(process.pid, grace_s)
         if self._reader is not None:
             self._reader.join(timeout=5)
         logger.info("stopped model server on port %d", self.port)
@@ -313,9 +316,24 @@ class ModelServer:
                 logger.log(level, "[%s] %s", self.config.backend, line)
 
 
-def _signal_group(pid: int, sig: signal.Signals) -> None:
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    """Signal the group the server leads (its pid is the group id: a new session), even once the
+    leader itself has exited."""
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(os.getpgid(pid), sig)
+        os.killpg(pgid, sig)
+
+
+def _sweep_group(pgid: int, seconds: float) -> None:
+    """SIGKILL what is left of the group and wait up to `seconds` for it to be empty."""
+    _signal_group(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    logger.warning("processes of model server group %d still exist %.0f s after SIGKILL", pgid, seconds)
 
 
 def _find_executable(name: str) -> str:

@@ -84,6 +84,23 @@ def test_real_server_answers_and_its_process_group_is_killed(tiny_model: Path) -
     assert "Uvicorn running" in server.log_tail or "Application startup complete" in server.log_tail
 
 
+def test_stop_returns_only_once_every_process_of_the_group_is_gone(tiny_model: Path, tmp_path: Path) -> None:
+    """A process the server spawned that ignores SIGTERM outlives the server: stop() kills it too."""
+    import signal
+    import subprocess
+
+    child = tmp_path / "child.pid"
+    script = f"(trap '' TERM; echo $BASHPID > {child}; exec sleep 300) & wait"  # sleep inherits the ignored TERM.
+    server = ModelServer(ServerConfig(model=str(tiny_model)))
+    server.process = subprocess.Popen(["bash", "-c", script], start_new_session=True)
+    while not child.exists() or not child.read_text().strip():
+        assert server.process.poll() is None
+    server.stop(grace_s=5)
+    assert server.process.poll() == -signal.SIGTERM  # The server itself went on SIGTERM.
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server.process.pid, 0)  # And nothing of its group is left.
+
+
 def test_server_that_dies_at_startup_fails_fast(tiny_model: Path) -> None:
     config = ServerConfig(model=str(tiny_model), extra_args=["--no-such-flag"], startup_timeout_s=120)
     server = ModelServer(config)
