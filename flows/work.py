@@ -1,13 +1,16 @@
 """Each stage's library calls, with no Prefect: what the stage flows run, and what the overhead
-benchmark runs as its plain-script baseline (so the two measure the same work)."""
+benchmark runs as its plain-script baseline (so the two measure the same work).
+
+Cost accounting is part of a stage's work, however it runs: generate, SFT, RL, evaluate and lm_eval
+run under `track_costs()` (peak memory in their artifacts' metrics). Curate, gate, mine and report
+do not: their artifacts are a pure function of their inputs, so their content ids, and every cache
+and resume key downstream, stay reproducible."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-from collections.abc import Callable
-from typing import Any, ParamSpec
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -33,21 +36,6 @@ from training.sft import NoExampleFits, SFTRunConfig
 
 logger = logging.getLogger(__name__)
 SEED_OFFSETS = {"teacher": 0, "policy": 500_000}  # Training streams; held-out items use eval_seed 1,000,000.
-P = ParamSpec("P")
-
-
-def costed(stage: Callable[P, Manifest]) -> Callable[P, Manifest]:
-    """Cost accounting: the stage's peak memory in the metrics of the artifacts it puts, however it runs
-    (a flow, a deployment, a plain script). Stages whose artifacts are a pure function of their inputs
-    (curate, gate, mine, report) are not costed, so their content ids, and every cache and resume key
-    downstream, stay reproducible."""
-
-    @functools.wraps(stage)
-    def run(*args: P.args, **kwargs: P.kwargs) -> Manifest:
-        with track_costs():
-            return stage(*args, **kwargs)
-
-    return run
 
 
 class StageParams(BaseModel):
@@ -114,7 +102,7 @@ class ReportParams(StageParams):
     refs: list[str] = Field(description="Eval, weaknesses and gate artifact ids.")
 
 
-@costed
+@track_costs()
 def generate(params: GenerateParams) -> Manifest:
     """Rollouts in `process` mode as the curriculum's plan says: the teacher on unsolved (and replayed
     mastered) slices, the round's base model, served, on learnable ones; no plan: the teacher on all."""
@@ -235,7 +223,7 @@ def server_config(p: RoundProfile, model_dir: str, planned: bool = False) -> Ser
     return ServerConfig.model_validate(fields, context={"planned": planned})
 
 
-@costed
+@track_costs()
 def sft(params: SFTParams, callbacks: list[Any] | None = None) -> Manifest:
     """Supervised fine-tuning (TRL SFTTrainer) on the curated set; an empty set (every rollout of the
     round failed) or one whose conversations all exceed `sft_max_length` trains nothing and passes
@@ -251,7 +239,7 @@ def sft(params: SFTParams, callbacks: list[Any] | None = None) -> Manifest:
         return store.manifest(params.base)
 
 
-@costed
+@track_costs()
 def rl(params: RLParams, callbacks: list[Any] | None = None) -> Manifest:
     """GRPO in the round's environment, KL to the SFT checkpoint."""
     return _train(rl_config(params), params, callbacks)
@@ -264,7 +252,7 @@ def _train(cfg: TrainConfig, params: StageParams, callbacks: list[Any] | None) -
     return run_training(cfg, params.store(), callbacks=callbacks)
 
 
-@costed
+@track_costs()
 def evaluate(params: EvaluateParams, progress: Progress | None = None) -> Manifest:
     """Serve the model and run the agentic evaluation on the env's held-out tasks; `progress(env, done, total)`."""
     p, store = params.profile, params.store()
@@ -287,7 +275,7 @@ def evaluate(params: EvaluateParams, progress: Progress | None = None) -> Manife
         return run_agentic_eval(cfg, store, model_ref_of(store, params.model), progress=progress)
 
 
-@costed
+@track_costs()
 def lm_eval(params: LMEvalParams) -> Manifest:
     """The profile's lm-eval tasks on the model: `hf` in this process on CPU, `vllm` on CUDA."""
     store = params.store()

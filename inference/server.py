@@ -285,12 +285,9 @@ class ModelServer:
             return
         if process.poll() is None:
             _signal_group(process.pid, signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                _signal_group(process.pid, signal.SIGKILL)
-                process.wait(timeout=grace_s)
-        _sweep_group(process.pid, grace_s)
+        _kill_group(process, grace_s)
         if self._reader is not None:
             self._reader.join(timeout=5)
         logger.info("stopped model server on port %d", self.port)
@@ -323,17 +320,19 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-def _sweep_group(pgid: int, seconds: float) -> None:
-    """SIGKILL what is left of the group and wait up to `seconds` for it to be empty."""
-    _signal_group(pgid, signal.SIGKILL)
+def _kill_group(process: subprocess.Popen[bytes], seconds: float) -> None:
+    """SIGKILL what is left of the group `process` leads (itself included), reap it, and wait up to
+    `seconds` for the group to be empty."""
+    _signal_group(process.pid, signal.SIGKILL)
+    process.wait(timeout=seconds)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
-            os.killpg(pgid, 0)
+            os.killpg(process.pid, 0)
         except ProcessLookupError:
             return
         time.sleep(0.05)
-    logger.warning("processes of model server group %d still exist %.0f s after SIGKILL", pgid, seconds)
+    logger.warning("processes of model server group %d still exist %.0f s after SIGKILL", process.pid, seconds)
 
 
 def _find_executable(name: str) -> str:
