@@ -38,6 +38,7 @@ from training.models import resolve_model
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "shipped default": {},
+    "one attention mask per step": {"varlen_sdpa": False},  # The library's SDPA over the whole packed batch.
     "8192 batch tokens": {"cb_max_batch_tokens": 8192},  # transformers' own default.
     "256 batch tokens": {"cb_max_batch_tokens": 256},
     "5 % RAM for KV, 256-token blocks": {"cb_max_memory_percent": 0.05, "cb_block_size": 256},  # The old default.

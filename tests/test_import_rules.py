@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OURS = {"flows", "training", "evaluation", "inference", "environments", "data"}
 ALLOWED = {
     "flows": OURS,
-    "training": {"training", "environments", "data"},
+    "training": {"training", "environments", "data", "inference"},
     "evaluation": {"evaluation", "environments", "data", "inference"},
     "environments": {"environments", "data"},
     "inference": {"inference"},

@@ -150,6 +150,8 @@ class PolicyServer:
         import torch
         from transformers import ContinuousBatchingConfig
 
+        from inference.varlen_sdpa import use_varlen_sdpa
+
         model = self.model()
         if self._was_training is None:
             self._was_training = model.training
@@ -158,6 +160,7 @@ class PolicyServer:
             # into the fp32 paged cache: generation runs in fp32, as the model server does.
             self._autocast_forward, model.forward = model.forward, model._original_forward
         self._stops = self._stops or _eos_ids(model, self.tokenizer)
+        use_varlen_sdpa()  # Each rollout of a step attends over its own cached turns, not every rollout's.
         config = copy.deepcopy(model.generation_config)
         config.update(max_new_tokens=self.max_new_tokens, eos_token_id=sorted(self._stops))
         if temperature > 0:

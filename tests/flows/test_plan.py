@@ -53,7 +53,7 @@ def test_the_cpu_plan_has_no_cuda_setting() -> None:
         assert args["bf16"] == cpu_computes_bf16(), name  # Autocast where the CPU has bf16 dot products.
         assert not any("vllm" in key for key in args), name
         assert args["gradient_checkpointing"], name  # The profile's choice over the CPU default (off).
-    assert plan["stages"]["evaluate"]["server"]["command"][:2] == ["transformers", "serve"]
+    assert plan["stages"]["evaluate"]["server"]["command"][2:4] == ["inference.transformers_serve", "serve"]
     quick = round_plan("quick", "cpu")["stages"]["sft"]["trainer_args"]
     assert quick["gradient_checkpointing"] is False  # No choice in the profile: the device's default.
 

@@ -49,14 +49,15 @@ def test_vllm_command_carries_gpu_and_tool_flags(tiny_model: Path) -> None:
 
 def test_transformers_command_caps_kv_cache(tiny_model: Path) -> None:
     command = build_command(ServerConfig(model=str(tiny_model)), 8123)
-    assert command[:3] == ["transformers", "serve", str(tiny_model)]
+    # Through the wrapper that gives continuous batching per-sequence attention (inference/varlen_sdpa.py).
+    assert command[:5] == ["python", "-m", "inference.transformers_serve", "serve", str(tiny_model)]
     assert "--continuous-batching" in command
     assert command[command.index("--cb-max-memory-percent") + 1] == "0.15"
     assert command[command.index("--cb-block-size") + 1] == "64"  # Prefix reuse to the nearest 64 tokens.
     assert command[command.index("--cb-max-batch-tokens") + 1] == "1024"  # Not the library's slow 8192.
     assert command[command.index("--device") + 1] == "cpu"
-    plain = build_command(ServerConfig(model=str(tiny_model), continuous_batching=False), 8123)
-    assert "--continuous-batching" not in plain
+    plain = build_command(ServerConfig(model=str(tiny_model), continuous_batching=False, varlen_sdpa=False), 8123)
+    assert "--continuous-batching" not in plain and plain[:2] == ["transformers", "serve"]
 
 
 def test_bad_config_is_one_clear_error(tmp_path: Path) -> None:
