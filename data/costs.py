@@ -6,9 +6,10 @@ the process's high-water mark (Linux `VmHWM`) since the block began, which reset
 (`gc.collect()`, glibc's `malloc_trim`: freed tensors otherwise stay resident in the allocator's
 heap, and a stage run in the same process would start from, and be charged for, their pages).
 A helper process the stage started (a model server) is counted inside
-`counting_process(pid)`: `server_peak_rss_mb` is its own high-water mark, and `total_peak_rss_mb`
-the sum of both (an upper bound on what the stage held at once). `accelerate launch` workers and
-vLLM engines are not counted.
+`counting_process(pid)`: `server_peak_rss_mb` is the high-water marks of it and every process it
+started (`transformers serve` runs its generation engine, the model and KV cache, in a spawned
+child), and `total_peak_rss_mb` the stage's and the server's together (an upper bound on what the
+stage held at once). `accelerate launch` workers are not counted.
 """
 
 from __future__ import annotations
@@ -74,11 +75,27 @@ def cost_metrics() -> dict[str, float]:
     if own is None:
         return {}
     metrics = {"peak_rss_mb": own}
-    helpers = [mb for pid in _helpers.get() if (mb := _high_water_mb(Path(f"/proc/{pid}/status"))) is not None]
+    counted = [pid for helper in _helpers.get() for pid in _process_tree(helper)]
+    helpers = [mb for pid in counted if (mb := _high_water_mb(Path(f"/proc/{pid}/status"))) is not None]
     if helpers:
         server = sum(helpers)
         metrics |= {"server_peak_rss_mb": round(server, 1), "total_peak_rss_mb": round(own + server, 1)}
     return metrics
+
+
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and every live process descended from it (parents read from /proc/*/stat)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # After the command, which may hold spaces.
+        except (OSError, IndexError, ValueError):
+            continue  # Exited meanwhile.
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    tree = [pid]
+    for process in tree:
+        tree.extend(children.get(process, []))
+    return tree
 
 
 def _high_water_mb(status: Path) -> float | None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import weakref
 from pathlib import Path
 
@@ -68,7 +70,8 @@ def test_memory_an_earlier_stage_freed_is_not_charged_to_the_next(tmp_path) -> N
 
 
 def test_a_counted_helper_process_adds_its_own_peak(tmp_path) -> None:
-    """A model server the stage started: its peak is recorded beside the stage's, and their sum."""
+    """A model server the stage started, with the engine it spawned: their peaks are recorded beside
+    the stage's, and the sum."""
     import subprocess
     import sys
     import time
@@ -76,8 +79,10 @@ def test_a_counted_helper_process_adds_its_own_peak(tmp_path) -> None:
     store = ArtifactStore(tmp_path)
     ready = tmp_path / "ready"
     touch = f"open({str(ready)!r}, 'w').close()"
-    script = f"b = bytearray(200 * 2**20); b[::4096] = b'1' * len(b[::4096]); {touch}; input()"
-    helper = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE)
+    hold = "b = bytearray({} * 2**20); b[::4096] = b'1' * len(b[::4096])"
+    engine = f"{hold.format(200)}; {touch}; input()"  # The model and its cache live in the child.
+    script = f"import subprocess, sys; {hold.format(50)}; subprocess.run([sys.executable, '-c', {engine!r}])"
+    helper = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, start_new_session=True)
     try:
         while not ready.exists():
             assert helper.poll() is None
@@ -87,9 +92,9 @@ def test_a_counted_helper_process_adds_its_own_peak(tmp_path) -> None:
         with track_costs():
             alone = store.put("eval", "alone", {"x": b"1"}).metrics
     finally:
-        helper.kill()
+        os.killpg(helper.pid, signal.SIGKILL)  # The server and its engine.
         helper.wait()
-    assert metrics["server_peak_rss_mb"] >= 200
+    assert metrics["server_peak_rss_mb"] >= 250  # 50 MB in the server, 200 in its engine.
     assert metrics["total_peak_rss_mb"] == round(metrics["peak_rss_mb"] + metrics["server_peak_rss_mb"], 1)
     assert "server_peak_rss_mb" not in alone  # Counted only inside its block.
     with track_costs(), counting_process(helper.pid):  # A helper that has exited adds nothing.
