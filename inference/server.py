@@ -72,7 +72,7 @@ class ServerConfig(BaseModel):
     varlen_sdpa: bool = Field(
         default=True,
         description="transformers: each batched request attends over its own keys, not every key of the step "
-        "(inference/varlen_sdpa.py): 1.63x tokens/s on 16 first turns (benchmarks/serve_throughput.py).",
+        "(inference/varlen_sdpa.py): 1.80x tokens/s on 16 first turns (benchmarks/serve_throughput.py).",
     )
     cb_max_memory_percent: float = Field(
         default=0.15,
