@@ -334,7 +334,7 @@ def evaluate(
     server: Annotated[str | None, typer.Option("--server", help="OpenAI-compatible URL of a served model.")] = None,
     backend: Annotated[str | None, typer.Option(help="hf | vllm | local-completions | local-chat-completions.")] = None,
     limit: Annotated[int | None, typer.Option(help="Docs per task.")] = None,
-    batch_size: Annotated[int, typer.Option(help="Fixed batch size.")] = 8,
+    batch_size: Annotated[int, typer.Option(help="Fixed batch size.")] = 32,
     suite: Annotated[str, typer.Option(help="flywheel (lm-eval suite) | agentic (the envs) | all.")] = "flywheel",
     eval_size: Annotated[int, typer.Option(help="agentic: held-out tasks per env.")] = 8,
     max_infra_failure_rate: Annotated[

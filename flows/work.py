@@ -294,6 +294,7 @@ def lm_eval_config(params: LMEvalParams) -> LMEvalConfig:
         include_path=p.lm_eval_include_path,
         suite_size=p.lm_eval_size,
         limit=p.lm_eval_limit,
+        batch_size=p.lm_eval_batch_size,
         name=params.name,
     )
 
