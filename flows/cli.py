@@ -31,6 +31,7 @@ from rich.tree import Tree
 
 from data import ArtifactStore, LineageNode, Manifest, StoreError, lineage
 from flows.cli_errors import click_error_line, failure_line
+from flows.fast_malloc import reexec_with_fast_malloc
 from inference import ModelServer, ServerConfig, ServerError, build_command, chat
 from training import BUILTIN_MODELS, ModelError, prepare_model, resolve_model
 from training.config import ConfigError
@@ -552,7 +553,10 @@ def _fail(message: str, code: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point: run the app; a bad command line ends as one line and exit 2, any other failure exit 1."""
+    """Entry point: run the app; a bad command line ends as one line and exit 2, any other failure exit 1.
+    The console command first re-executes itself under tcmalloc where it is installed (`flows.fast_malloc`)."""
+    if argv is None:
+        reexec_with_fast_malloc([sys.executable, "-m", "flows.cli", *sys.argv[1:]])
     try:
         result = typer.main.get_command(app).main(args=argv, prog_name="flywheel", standalone_mode=False)
     except typer.TyperException as err:  # Typer's vendored click: usage errors (exit_code 2), file errors (1).
