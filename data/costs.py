@@ -3,8 +3,9 @@
 Inside `track_costs()`, every `ArtifactStore.put` adds `peak_rss_mb` to the artifact's metrics:
 the process's high-water mark (Linux `VmHWM`) since the block began, which resets it through
 `/proc/self/clear_refs`, after handing what earlier stages freed back to the system
-(`gc.collect()`, glibc's `malloc_trim`: freed tensors otherwise stay resident in the allocator's
-heap, and a stage run in the same process would start from, and be charged for, their pages).
+(`gc.collect()`, then glibc's `malloc_trim` or tcmalloc's release: freed tensors otherwise stay
+resident in the allocator's heap, and a stage run in the same process would start from, and be
+charged for, their pages).
 A helper process the stage started (a model server) is counted inside
 `counting_process(pid)`: `server_peak_rss_mb` is the high-water marks of it and every process it
 started (`transformers serve` runs its generation engine, the model and KV cache, in a spawned
@@ -44,7 +45,7 @@ def track_costs() -> Iterator[None]:
 
 
 def release_freed_memory() -> None:
-    """Collect unreachable objects and return the allocator's free pages to the system (glibc only).
+    """Collect unreachable objects and return the allocator's free pages to the system (glibc or tcmalloc).
 
     The first call also freezes what survives (`gc.freeze`): by then mostly the imported modules,
     never garbage, which every later collection would otherwise traverse again (~450k objects,
@@ -52,6 +53,8 @@ def release_freed_memory() -> None:
     gc.collect()
     if gc.get_freeze_count() == 0:
         gc.freeze()
+    with contextlib.suppress(AttributeError):  # tcmalloc, where preloaded (flows/fast_malloc.py), keeps freed spans.
+        ctypes.CDLL(None).MallocExtension_ReleaseFreeMemory()
     with contextlib.suppress(OSError, AttributeError):  # Not glibc (musl, macOS): nothing to trim this way.
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
