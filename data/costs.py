@@ -53,7 +53,14 @@ def release_freed_memory() -> None:
     gc.collect()
     if gc.get_freeze_count() == 0:
         gc.freeze()
-    with contextlib.suppress(AttributeError):  # tcmalloc, where preloaded (flows/fast_malloc.py), keeps freed spans.
+    return_free_heap()
+
+
+def return_free_heap() -> None:
+    """Hand the allocator's free pages back to the system: tcmalloc's free spans (where preloaded,
+    `flows/fast_malloc.py`: it keeps them all for reuse), glibc's trimmable heap. Pages given back
+    are mapped afresh, and resident only once written, when next allocated."""
+    with contextlib.suppress(AttributeError):
         ctypes.CDLL(None).MallocExtension_ReleaseFreeMemory()
     with contextlib.suppress(OSError, AttributeError):  # Not glibc (musl, macOS): nothing to trim this way.
         ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gc
 import json
 import threading
 import uuid
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from data.costs import return_free_heap
 from environments.hermes_base_env import HermesAgentBaseEnv
 from environments.messages import messages_with_dict_arguments
 
@@ -98,6 +100,11 @@ class PolicyServer:
         for manager in managers:
             manager.stop(block=True)
             manager.destroy()
+        if managers:  # Their paged KV caches are garbage now: hand the pages back before training allocates.
+            managers.clear()
+            del manager
+            gc.collect()
+            return_free_heap()
         if self._was_training is not None:
             self.model().train(self._was_training)
             self._was_training = None
