@@ -4,7 +4,7 @@ CPU torch has no caching allocator: every activation, gradient and logits chunk 
 malloc and a free, and glibc hands each large block back to the kernel (munmap) and maps it anew
 on the next step, so every step page-faults its working set again. SmolLM2's SFT on 2 cores spent a
 third of its CPU time in the kernel that way; with tcmalloc, which keeps freed blocks for reuse,
-the same steps ran 2.07x faster at a lower peak, with identical losses (`benchmarks/allocator.py`).
+the same steps ran 1.66x faster end to end at a lower peak, with identical losses (`benchmarks/allocator.py`).
 PyTorch's own CPU launcher (`python -m torch.backends.xeon.run_cpu`) preloads it the same way.
 
 The command re-executes itself once with the library in LD_PRELOAD; every process it starts
@@ -44,7 +44,7 @@ def reexec_with_fast_malloc(command: Sequence[str]) -> None:
     if environ is not None:
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execve(command[0], list(command), environ)
+        os.execvpe(command[0], list(command), environ)  # A bare command name is looked up on PATH.
 
 
 if __name__ == "__main__":  # `python -m flows.fast_malloc COMMAND...`: run a command under tcmalloc (`make test`).
