@@ -372,3 +372,23 @@ def test_closing_the_policy_server_hands_its_kv_cache_back(tiny_model: Path, mon
     )
     server.close()
     assert managers and handed_back == [True]
+
+
+def test_the_policy_server_hands_freed_memory_back_before_each_kv_cache(tiny_model: Path, monkeypatch) -> None:
+    """Each step's generation allocates its paged KV cache after the step before freed its activations;
+    under tcmalloc those pages stay resident and fragmented, and round 3's GRPO peaked at 6.67 GB
+    with them kept (the cache mapped beside 1.3 GB of free pages)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import training.rollouts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    events: list[str] = []
+    monkeypatch.setattr(training.rollouts, "return_free_heap", lambda: events.append("handed back"))
+    start = model.init_continuous_batching
+    monkeypatch.setattr(model, "init_continuous_batching", lambda **kw: events.append("cache") or start(**kw))
+    with PolicyServer(lambda: model, tokenizer, top_k=0, max_new_tokens=4) as server:
+        asyncio.run(server.chat_completion([{"role": "user", "content": "Hi"}], temperature=0.0))
+        asyncio.run(server.chat_completion([{"role": "user", "content": "Hi"}], temperature=1.0))
+    assert events[:4] == ["handed back", "cache", "handed back", "cache"]
