@@ -12,7 +12,7 @@ from typing import Any
 
 from prefect.automations import Automation
 from prefect.blocks.webhook import Webhook
-from prefect.client.orchestration import get_client
+from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate, WorkPoolCreate
 from prefect.events.actions import CallWebhook
 from prefect.events.schemas.automations import EventTrigger, Posture
@@ -47,15 +47,23 @@ def setup(kubernetes: bool = False, gpu_slots: int = 8, alert_url: str | None = 
         for name, (kind, template) in (("cpu", process), ("h100", h100)):
             client.create_work_pool(WorkPoolCreate(name=name, type=kind, base_job_template=template), overwrite=True)
             done.append(f"work pool {name} ({kind})")
-        try:
-            client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+        if limit_exists(client, GPU_LIMIT):
             client.update_global_concurrency_limit(GPU_LIMIT, GlobalConcurrencyLimitUpdate(limit=gpu_slots))
-        except ObjectNotFound:
+        else:
             client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=gpu_slots))
         done.append(f"global concurrency limit {GPU_LIMIT} = {gpu_slots}")
     if alert_url:
         done.append(failure_alert(alert_url))
     return done
+
+
+def limit_exists(client: SyncPrefectClient, name: str) -> bool:
+    """Whether the Prefect API has a global concurrency limit `name`."""
+    try:
+        client.read_global_concurrency_limit_by_name(name)
+    except ObjectNotFound:
+        return False
+    return True
 
 
 def failure_alert(url: str) -> str:

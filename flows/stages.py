@@ -21,12 +21,11 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
-from prefect.exceptions import ObjectNotFound
 
 from data import Manifest
 from evaluation.weakness import stored_curriculum
 from flows import work
-from flows.infra import GPU_LIMIT
+from flows.infra import GPU_LIMIT, limit_exists
 from flows.profiles import RoundProfile
 from flows.ui import EvalProgress, ProgressArtifact, artifact_link, markdown, metrics_table, stage_run_name
 from flows.work import (
@@ -61,21 +60,16 @@ def gpu_slots(profile: RoundProfile) -> Iterator[None]:
     Whether the limit exists is read first: asking Prefect's slot service for a limit that does not
     exist cost ~2 s a GPU stage in a local round (py-spy, `benchmarks/orchestration_overhead.py`),
     where one read takes milliseconds."""
-    if profile.gpus == 0 or not _limit_exists(GPU_LIMIT):
+    if profile.gpus == 0:
+        yield
+        return
+    with get_client(sync_client=True) as client:
+        limited = limit_exists(client, GPU_LIMIT)
+    if not limited:
         yield
         return
     with concurrency(GPU_LIMIT, occupy=profile.gpus, strict=False):
         yield
-
-
-def _limit_exists(name: str) -> bool:
-    """Whether the Prefect API has a global concurrency limit `name`."""
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_global_concurrency_limit_by_name(name)
-        except ObjectNotFound:
-            return False
-    return True
 
 
 @stage_flow("generate")
