@@ -44,7 +44,7 @@ app.add_typer(model_app, name="model")
 train_app = typer.Typer(help="Train: SFT, RL (GRPO) and DPO from a YAML config plus key=value overrides.")
 app.add_typer(artifacts_app, name="artifacts")
 app.add_typer(train_app, name="train")
-infra_app = typer.Typer(help="Prefect work pools, the GPU concurrency limit and failure alerts.")
+infra_app = typer.Typer(help="Prefect work pools, the GPU concurrency limit, crash detection and failure alerts.")
 app.add_typer(infra_app, name="infra")
 
 
@@ -499,7 +499,7 @@ def infra_setup(
     gpu_slots: Annotated[int, typer.Option(help="Size of the `gpu` global concurrency limit.")] = 8,
     alert_url: Annotated[str | None, typer.Option(help="Webhook to POST to when a flywheel run fails.")] = None,
 ) -> None:
-    """Create or update the pools `cpu` and `h100`, the `gpu` limit and the failure alert."""
+    """Create or update the pools `cpu` and `h100`, the `gpu` limit, crash detection and the failure alert."""
     import httpx
     from prefect.settings import PREFECT_API_URL
 

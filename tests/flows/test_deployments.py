@@ -65,6 +65,7 @@ def deployed(prefect_server: dict[str, str], s3_endpoint: str, alerts: str, tmp_
     )
     assert setup.returncode == 0, setup.stderr
     assert "work pool h100 (process)" in setup.stdout and "gpu = 1" in setup.stdout
+    assert "flywheel-crash-unresponsive: no heartbeat for 540 s -> Crashed" in setup.stdout
     with workers(["cpu", "h100"], env, logs):
         deploy = subprocess.run(
             [prefect_bin(), "--no-prompt", "deploy", "--all"], cwd=ROOT, env=env, capture_output=True, text=True
