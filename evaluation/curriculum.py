@@ -14,8 +14,9 @@ Each slice (env, category, difficulty) gets a class from Wilson intervals on its
 A held-out set has only a few items per slice, so thin evidence climbs to the slice's parents
 (env x difficulty, then env) until an interval is decisive, as long as the slice's own outcomes
 point the same way; every row says which level decided.
-The generation budget is split over slices by class weight (largest remainder), so every
-decision - slice, class, weight, groups - is recorded and generation follows it exactly.
+The generation budget is split over the slices to teach (unsolved, learnable) by class weight
+(largest remainder), and each mastered slice's replay comes on top of it, so every decision -
+slice, class, weight, groups - is recorded and generation follows it exactly.
 
 Teacher data goes where it can teach: an unsolved slice whose teacher needs more turns than the
 round allows (`max_turns`) waits as *out of reach* (a student judged on 6 turns cannot imitate a
@@ -54,8 +55,9 @@ class CurriculumConfig(BaseModel):
     replay: float = Field(
         default=0.5,
         ge=0,
-        description="Generation weight of a mastered slice, against forgetting (at 0.1 a default round replayed "
-        "one group of a mastered slice, and the candidate lost every tool_use_chain item it had solved).",
+        description="Replay groups of a mastered slice, against forgetting, as a share of a taught slice's groups "
+        "and on top of the round's budget (at 0.1 a default round replayed one group of a mastered slice, and the "
+        "candidate lost every tool_use_chain item it had solved).",
     )
     focus: int | None = Field(
         default=None,
@@ -168,9 +170,15 @@ def _row(cls: SliceClass, wins: int, n: int, low: float, high: float, evidence: 
 def plan_generation(
     curriculum: dict[str, Any], groups: int, config: CurriculumConfig | None = None, max_turns: int | None = None
 ) -> dict[str, Any]:
-    """Split `groups` over every slice by class weight; per env and source (teacher / policy), the
-    slice weights and group count generation runs with. Records `weight` and `groups` per slice, and
-    why an unsolved slice `waits` (out of reach of `max_turns`, or beyond the round's focus)."""
+    """Split `groups` over the slices to teach by class weight and add each mastered slice's replay
+    (`replay` times a taught slice's share) on top; per env and source (teacher / policy), the slice
+    weights and group count generation runs with. Records `weight` and `groups` per slice, and why an
+    unsolved slice `waits` (out of reach of `max_turns`, or beyond the round's focus).
+
+    Replay on top, not out of `groups`: taken out of the budget, replay grew with every slice mastered
+    and starved the teaching (a default run's round 3 gave its unsolved slices 4 teacher groups each,
+    round 1 gave 11), so the round's plan grows with what it keeps instead. With nothing left to teach,
+    `groups` all go to replay."""
     config = config or CurriculumConfig()
     weight = {"unsolved": 1.0, "learnable": 1.0, "mastered": config.replay, "locked": 0.0}
     per_env = [[(env, row) for row in spec["slices"]] for env, spec in curriculum.items()]
@@ -179,7 +187,13 @@ def plan_generation(
     for _, row in cells:
         row["weight"] = weight[row["class"]]
     _focus_teaching(cells, config.focus, max_turns)
-    shares = largest_remainder([row["weight"] for _, row in cells], groups)
+    taught = [0.0 if row["class"] == "mastered" else row["weight"] for _, row in cells]
+    replayed = [row["weight"] if row["class"] == "mastered" else 0.0 for _, row in cells]
+    replay_groups = round(sum(replayed) * groups / sum(taught)) if any(taught) else groups
+    shares = [
+        a + b
+        for a, b in zip(largest_remainder(taught, groups), largest_remainder(replayed, replay_groups), strict=True)
+    ]
     plan: dict[str, Any] = defaultdict(dict)
     for (env, row), share in zip(cells, shares, strict=True):
         row["groups"] = share

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -101,7 +102,7 @@ def run_round(store: ArtifactStore, n: int, p: RoundProfile, stage: StageCall) -
         rl_mix = grpo_mix(slices, p.curriculum_config)
     rollouts = stage("generate", round_no=n, tokenizer_model=start.base, plan=plan)
     dataset = stage("curate", round_no=n, rollouts=rollouts)
-    sft_ckpt = stage("sft", round_no=n, base=start.base, dataset=dataset)
+    sft_ckpt = stage("sft", round_no=n, base=start.base, dataset=dataset, steps=sft_steps(plan, p))
     rl_ckpt = stage("rl", round_no=n, policy=sft_ckpt, task_mix=rl_mix)
     evals = judge(n, rl_ckpt, f"r{n}")
     champion_evals = start.base_evals
@@ -116,6 +117,14 @@ def run_round(store: ArtifactStore, n: int, p: RoundProfile, stage: StageCall) -
     mined = evals if decision["promote"] else champion_evals
     stage("mine", round_no=n, evals=mined, previous=start.weaknesses, rollouts=rollouts)
     return stage("report", round_no=n, refs=round_refs(store, n)), decision
+
+
+def sft_steps(plan: dict[str, Any] | None, p: RoundProfile) -> int | None:
+    """SFT steps for a plan larger than the profile's `groups` (mastered slices' replay comes on top):
+    `sft_steps` scaled by the plan's size, so each row is seen as often as in a round of `groups`
+    (the taught slices' script is learnt in ~2 epochs, garbled in under 1). None: the profile's."""
+    planned = sum(part["groups"] for parts in (plan or {}).values() for part in parts.values())
+    return math.ceil(p.sft_steps * planned / p.groups) if planned > p.groups else None
 
 
 def completed_rounds(store: ArtifactStore) -> int:

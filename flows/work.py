@@ -63,6 +63,9 @@ class CurateParams(StageParams):
 class SFTParams(StageParams):
     base: str = Field(description="Model artifact id to fine-tune.")
     dataset: str = Field(description="SFT dataset artifact id.")
+    steps: int | None = Field(
+        default=None, ge=1, description="SFT steps (None: the profile's `sft_steps`; a round scales them to its plan)."
+    )
 
 
 class RLParams(StageParams):
@@ -172,7 +175,7 @@ def sft_config(params: SFTParams) -> SFTRunConfig:
     return SFTRunConfig(
         policy_model=params.base,
         dataset=params.dataset,
-        total_steps=p.sft_steps,
+        total_steps=params.steps or p.sft_steps,
         learning_rate=p.sft_lr,
         batch_size=p.sft_batch_size,
         gradient_accumulation_steps=p.sft_gradient_accumulation,

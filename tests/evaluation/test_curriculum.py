@@ -77,15 +77,16 @@ def test_the_generation_plan_routes_classes_to_actors_and_generation_follows_it_
     script = {("todo_report", "easy"): (0, 12), ("line_count", "easy"): (6, 12), ("csv_summary", "easy"): (12, 12)}
     script[("csv_summary", "medium")] = (0, 12)  # Unlocked by the mastered easy slice, and unsolved.
     curriculum = build_curriculum(outcomes(script), FAMILIES)
-    plan = plan_generation(curriculum, groups=31, config=CurriculumConfig(replay=0.1))
+    plan = plan_generation(curriculum, groups=30, config=CurriculumConfig(replay=0.2))
     rows = {row["slice"]: row for row in curriculum["tool_use_chain"]["slices"]}
-    # Weights 1 (unsolved) : 1 (learnable) : 0.1 (mastered, replay) : 1 (unsolved) of 31 groups.
-    assert [rows[s]["groups"] for s in ("todo_report/easy", "line_count/easy", "csv_summary/easy")] == [10, 10, 1]
+    # The 30 groups go to the slices to teach, weights 1 (unsolved) : 1 (learnable) : 1 (unsolved); the
+    # mastered slice's replay, 0.2 of a taught slice's 10, comes on top: 32 groups in all.
+    assert [rows[s]["groups"] for s in ("todo_report/easy", "line_count/easy", "csv_summary/easy")] == [10, 10, 2]
     assert rows["csv_summary/medium"]["groups"] == 10
     assert not any(row["groups"] for row in rows.values() if row["class"] == "locked")
     teacher, policy = plan["tool_use_chain"]["teacher"], plan["tool_use_chain"]["policy"]
     # The champion's own rollouts: the learnable slice, and the mastered slice's replay (its own way of solving it).
-    assert policy["groups"] == 11
+    assert policy["groups"] == 12
     assert {s for s, w in policy["mix"].items() if w} == {"line_count/easy", "csv_summary/easy"}
     assert teacher["groups"] == 20  # Unsolved demonstrations only.
     assert {s for s, w in teacher["mix"].items() if w} == {"todo_report/easy", "csv_summary/medium"}
@@ -93,6 +94,14 @@ def test_the_generation_plan_routes_classes_to_actors_and_generation_follows_it_
     stream = TaskStream("tool_use_chain", tool_use_chain_tasks.make_task, CATEGORIES, seed=3, mix=teacher["mix"])
     drawn = Counter(f"{c}/{d}" for c, d in (stream.slice_of(i) for i in range(teacher["groups"])))
     assert drawn == {s: w for s, w in teacher["mix"].items() if w}
+
+
+def test_with_nothing_left_to_teach_the_whole_budget_replays_mastered_slices() -> None:
+    everything = {(c, d): (12, 12) for c in CATEGORIES for d in ("easy", "medium", "hard")}
+    curriculum = build_curriculum(outcomes(everything), FAMILIES)
+    plan = plan_generation(curriculum, groups=9)["tool_use_chain"]
+    assert set(plan) == {"policy"} and plan["policy"]["groups"] == 9
+    assert set(plan["policy"]["mix"].values()) == {1}  # One group of each of the nine mastered slices.
 
 
 def test_grpo_weights_learnable_slices_by_p_times_one_minus_p() -> None:

@@ -67,6 +67,8 @@ def test_a_device_override_turns_a_profile_around() -> None:
     cfg = work.sft_config(work.SFTParams(profile=p, base="b", dataset="d"))
     assert on_gpu["stages"]["sft"]["config"] == {**cfg.model_dump(mode="json"), "policy_model": "model/smollm2",
                                                  "dataset": "<round-1 SFT dataset>"}  # fmt: skip
+    scaled = work.sft_config(work.SFTParams(profile=p, base="b", dataset="d", steps=26))  # A round's larger plan.
+    assert scaled.total_steps == 26 != p.sft_steps
 
 
 def test_plan_cli_prints_json_and_rejects_unknown_names() -> None:

@@ -5,6 +5,7 @@ unlocks."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,7 @@ def test_each_round_follows_the_curriculum_mined_before_it(tmp_path: Path) -> No
     mined_r1 = store.manifest("weaknesses/weaknesses-r1")
     assert store.resolve("rollouts/round1") in mined_r1.parents  # The round's own rollouts are evidence too.
 
+    calls_r1 = list(calls)
     calls.clear()
     run_round(store, 2, PROFILE, stage)
     curriculum_r1 = store.read_json("weaknesses/weaknesses-r1", "curriculum.json")
@@ -88,5 +90,9 @@ def test_each_round_follows_the_curriculum_mined_before_it(tmp_path: Path) -> No
     teacher, policy = plan["teacher"]["mix"], plan["policy"]["mix"]
     assert teacher["todo_report/medium"] > 0 and teacher["todo_report/easy"] == 0  # New work from the teacher...
     assert teacher["todo_report/medium"] > policy["todo_report/easy"] > 0  # ...a little replay of the champion's own.
+    # The replay comes on top of the profile's groups, and SFT's steps grow with the plan: rows seen as often.
+    planned = sum(part["groups"] for part in plan.values())
+    assert planned > PROFILE.groups and got["sft"]["steps"] == math.ceil(PROFILE.sft_steps * planned / PROFILE.groups)
+    assert dict(calls_r1)["sft"]["steps"] is None  # Round 1 teaches only: the profile's steps.
     assert got["rl"]["task_mix"]["tool_use_chain"]["todo_report/easy"] == 0  # GRPO leaves the mastered slice.
     assert store.manifest(report).parents  # The report is built from the round's artifacts.
