@@ -43,13 +43,13 @@ class _Request:
 # In-process generation uses transformers' continuous batching (the engine `transformers serve` runs):
 # tokens per forward pass as the CPU server is configured (benchmarks/serve_throughput.py), and 64-token
 # cache pages so that shared prefixes (an env's tool schemas, the earlier turns of a conversation) are
-# read from the cache rather than recomputed. The pool is a third of the server's 15 % of RAM: a GRPO
-# step has few rollouts in flight (8 on the default profile, ~2k tokens each: ~0.75 GB of SmolLM2's
-# fp32 keys and values), where the server holds an evaluation's 40; the pool's pages are resident
+# read from the cache rather than recomputed. The pool is 4 % of available RAM (~0.75 GB on 24 GB): a
+# GRPO step has few rollouts in flight (8 on the default profile, ~2k tokens each: ~0.75 GB of
+# SmolLM2's fp32 keys and values), where the server holds an evaluation's 40; the pool's pages are resident
 # beside the optimizer's state (at 15 %, screening round 3's tasks added 2.6 GB, and step 2's
 # generation took GRPO to its peak).
 PAGED_BATCH_TOKENS = 1024
-PAGED_MEMORY_SHARE = 0.05
+PAGED_MEMORY_SHARE = 0.04
 PAGE_TOKENS = 64
 
 

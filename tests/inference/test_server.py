@@ -52,7 +52,7 @@ def test_transformers_command_caps_kv_cache(tiny_model: Path) -> None:
     # Through the wrapper that gives continuous batching per-sequence attention (inference/varlen_sdpa.py).
     assert command[:5] == ["python", "-m", "inference.transformers_serve", "serve", str(tiny_model)]
     assert "--continuous-batching" in command
-    assert command[command.index("--cb-max-memory-percent") + 1] == "0.15"
+    assert command[command.index("--cb-max-memory-percent") + 1] == "0.12"
     assert command[command.index("--cb-block-size") + 1] == "64"  # Prefix reuse to the nearest 64 tokens.
     assert command[command.index("--cb-max-batch-tokens") + 1] == "1024"  # Not the library's slow 8192.
     assert command[command.index("--device") + 1] == "cpu"
