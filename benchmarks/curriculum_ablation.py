@@ -7,7 +7,9 @@ Run (after `flywheel round` has finished round 1 in the store):
 
 Each arm copies the store as it was after round 1 and runs round 2 through `run_round` (the plain
 library calls, no Prefect), with the same profile except `curriculum`: the same generation
-groups, SFT and GRPO steps, held-out items and lm-eval tasks. `--mined-from` takes the mined arm
+groups, SFT and GRPO steps, held-out items and lm-eval tasks. The mined plan replays mastered
+slices on top of the profile's groups (and scales SFT's steps with it), so the uniform arm gets
+the mined plan's total groups and SFT steps; both are printed. `--mined-from` takes the mined arm
 from a store where the flywheel itself went on from this very round 1 to round 2 with the mined
 curriculum (the same round body, so only the uniform arm runs: half the compute). Printed: per
 weak slice (unsolved or learnable in round 1's curriculum) the held-out success of both
@@ -17,13 +19,15 @@ candidates, and the totals.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shutil
 import tempfile
 from pathlib import Path
 
 from data import ArtifactStore
-from flows.flywheel import completed_rounds, plain_stage, run_round
+from evaluation.curriculum import plan_generation
+from flows.flywheel import completed_rounds, plain_stage, planned_groups, run_round, sft_steps
 from flows.profiles import PROFILES, RoundProfile
 
 
@@ -50,6 +54,17 @@ def slice_success(store: ArtifactStore, eval_ref: str, slices: set[str]) -> dict
                 out[key][0] += bool(sample["success"])
                 out[key][1] += 1
     return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def arm_profile(source: ArtifactStore, p: RoundProfile, arm: str) -> RoundProfile:
+    """The profile of an arm: the mined arm's as is; the uniform arm's with the groups and SFT steps
+    that round 1's mined curriculum plans for round 2 (its replay comes on top of `groups`)."""
+    if arm == "mined":
+        return p.model_copy(update={"curriculum": "mined"})
+    slices = copy.deepcopy(source.read_json("weaknesses/weaknesses-r1", "curriculum.json")["slices"])
+    plan = plan_generation(slices, p.groups, p.curriculum_config, p.max_turns)
+    budget = {"groups": max(planned_groups(plan), p.groups), "sft_steps": sft_steps(plan, p) or p.sft_steps}
+    return p.model_copy(update={"curriculum": "uniform", **budget})
 
 
 def run_arm(source: Path, workdir: Path, p: RoundProfile) -> tuple[ArtifactStore, str]:
@@ -89,10 +104,12 @@ def main() -> None:
     results, overall = {}, {}
     with tempfile.TemporaryDirectory(prefix="ablation-") as tmp:
         for arm in ("mined", "uniform"):
+            p = arm_profile(source_store, PROFILES[args.profile], arm)
+            if arm == "uniform":
+                print(f"uniform arm: {p.groups} groups, {p.sft_steps} SFT steps (the mined plan's)")
             if arm == "mined" and args.mined_from:
                 store, eval_id = finished_mined_arm(source_store, args.mined_from, args.profile)
             else:
-                p = PROFILES[args.profile].model_copy(update={"curriculum": arm})
                 store, eval_id = run_arm(source, Path(tmp), p)
             results[arm] = slice_success(store, eval_id, weak)
             overall[arm] = store.manifest(eval_id).metrics

@@ -177,8 +177,9 @@ def plan_generation(
 
     Replay on top, not out of `groups`: taken out of the budget, replay grew with every slice mastered
     and starved the teaching (a default run's round 3 gave its unsolved slices 4 teacher groups each,
-    round 1 gave 11), so the round's plan grows with what it keeps instead. With nothing left to teach,
-    `groups` all go to replay."""
+    round 1 gave 11), so the round's plan grows with what it keeps instead, by at most `groups` (a few
+    taught slices beside many mastered ones would otherwise multiply the round's SFT). With nothing
+    left to teach, `groups` all go to replay."""
     config = config or CurriculumConfig()
     weight = {"unsolved": 1.0, "learnable": 1.0, "mastered": config.replay, "locked": 0.0}
     per_env = [[(env, row) for row in spec["slices"]] for env, spec in curriculum.items()]
@@ -189,7 +190,7 @@ def plan_generation(
     _focus_teaching(cells, config.focus, max_turns)
     taught = [0.0 if row["class"] == "mastered" else row["weight"] for _, row in cells]
     replayed = [row["weight"] if row["class"] == "mastered" else 0.0 for _, row in cells]
-    replay_groups = round(sum(replayed) * groups / sum(taught)) if any(taught) else groups
+    replay_groups = min(round(sum(replayed) * groups / sum(taught)), groups) if any(taught) else groups
     shares = [
         a + b
         for a, b in zip(largest_remainder(taught, groups), largest_remainder(replayed, replay_groups), strict=True)

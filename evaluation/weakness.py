@@ -113,7 +113,9 @@ class CurriculumSpec(BaseModel):
 
     families: dict[str, tuple[str, ...]] = Field(description="Env -> its task categories (the round's slices).")
     difficulty: str | None = Field(default=None, description="A fixed difficulty (None: easy first, then unlock).")
-    groups: int = Field(default=32, ge=1, description="Generation groups to split over the slices.")
+    groups: int = Field(
+        default=32, ge=1, description="Generation groups to split over the slices to teach (replay comes on top)."
+    )
     config: CurriculumConfig = Field(default_factory=CurriculumConfig)
     max_turns: int | None = Field(default=None, ge=1, description="The round's turn budget (teacher data in reach).")
 

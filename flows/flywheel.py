@@ -123,8 +123,13 @@ def sft_steps(plan: dict[str, Any] | None, p: RoundProfile) -> int | None:
     """SFT steps for a plan larger than the profile's `groups` (mastered slices' replay comes on top):
     `sft_steps` scaled by the plan's size, so each row is seen as often as in a round of `groups`
     (the taught slices' script is learnt in ~2 epochs, garbled in under 1). None: the profile's."""
-    planned = sum(part["groups"] for parts in (plan or {}).values() for part in parts.values())
+    planned = planned_groups(plan)
     return math.ceil(p.sft_steps * planned / p.groups) if planned > p.groups else None
+
+
+def planned_groups(plan: dict[str, Any] | None) -> int:
+    """Every group a generation plan asks for, over its envs and sources."""
+    return sum(part["groups"] for parts in (plan or {}).values() for part in parts.values())
 
 
 def completed_rounds(store: ArtifactStore) -> int:

@@ -100,7 +100,9 @@ def crash_detection(within: timedelta | None = None) -> str:
     was evicted or whose node died would otherwise show Running forever (and the failure alert, which
     fires on Crashed, would never hear of it). Prefect's flow runs send the heartbeats
     (`PREFECT_FLOWS_HEARTBEAT_FREQUENCY`, 180 s by default); a run is dead after `within` without one
-    (default: three heartbeat periods)."""
+    (default: three periods of the setting where this runs, so give the workers the same setting: a
+    run that beats less often than `within` would be marked Crashed alive). Replacing the automation
+    drops its armed windows: a run that died just before a redeploy stays Running."""
     heartbeat = get_current_settings().flows.heartbeat_frequency or 180
     within = within or timedelta(seconds=MISSED_HEARTBEATS * heartbeat)
     _replace(

@@ -21,11 +21,17 @@ class RoundProfile(BaseModel):
     envs: list[str] = Field(
         default=list(TASK_FAMILIES), min_length=1, description="Environments of the round: generation, GRPO, held-out."
     )
-    groups: int = Field(default=24, ge=1, description="Groups to generate, split over the curriculum's slices.")
+    groups: int = Field(
+        default=24,
+        ge=1,
+        description="Groups to generate, split over the slices to teach; mastered slices' replay comes on top.",
+    )
     group_size: int = Field(
         default=2, ge=1, description="Rollouts per generated task (best vs worst of a group: preference pairs)."
     )
-    sft_steps: int = Field(default=8, ge=1, description="SFT steps.")
+    sft_steps: int = Field(
+        default=8, ge=1, description="SFT steps for a plan of `groups` (a round with replay on top scales them)."
+    )
     sft_lr: float = Field(default=2e-4, gt=0, description="SFT learning rate.")
     sft_max_length: int = Field(
         default=2048, ge=64, description="SFT tokens per conversation (a longer one is left out, not cut)."

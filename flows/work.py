@@ -107,8 +107,8 @@ class ReportParams(StageParams):
 
 @track_costs()
 def generate(params: GenerateParams) -> Manifest:
-    """Rollouts in `process` mode as the curriculum's plan says: the teacher on unsolved (and replayed
-    mastered) slices, the round's base model, served, on learnable ones; no plan: the teacher on all."""
+    """Rollouts in `process` mode as the curriculum's plan says: the teacher on unsolved slices, the
+    round's base model, served, on learnable and (replayed) mastered ones; no plan: the teacher on all."""
     p, store = params.profile, params.store()
     model_dir = resolve_model(params.tokenizer_model, store)
     plan = uniform_plan(p) if params.plan is None else params.plan

@@ -78,10 +78,10 @@ class ServerConfig(BaseModel):
         default=0.12,
         gt=0,
         le=1,
-        description="transformers: KV-cache share of available RAM (15 %: ~25k tokens of SmolLM2 on 24 GB, so 16 "
-        "multi-turn rollouts fit with their earlier turns still cached; 5 % held ~8k: 1.45x slower evaluations "
-        "with 64-token blocks, benchmarks/serve_throughput.py --agentic). 12 %: a round 3 whose training "
-        "left the round's process 1.3 GB larger took its evaluation to 6.3 GB with 15 %.",
+        description="transformers: KV-cache share of available RAM (12 %: ~20k tokens of SmolLM2 on 24 GB, so "
+        "~13 multi-turn rollouts fit with their earlier turns still cached; 5 % held ~8k: 1.45x slower evaluations "
+        "than 15 % with 64-token blocks, benchmarks/serve_throughput.py --agentic). Not 15 %: a round 3 whose "
+        "training left the round's process 1.3 GB larger took its evaluation to 6.3 GB with it.",
     )
     cb_block_size: int = Field(
         default=64,

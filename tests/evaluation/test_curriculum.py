@@ -104,6 +104,32 @@ def test_with_nothing_left_to_teach_the_whole_budget_replays_mastered_slices() -
     assert set(plan["policy"]["mix"].values()) == {1}  # One group of each of the nine mastered slices.
 
 
+def test_replay_adds_at_most_the_budget_again() -> None:
+    """One slice to teach beside eight mastered ones: replay at 0.5 would be 4x the budget; it is capped at 1x."""
+    script = {(c, d): (12, 12) for c in CATEGORIES for d in ("easy", "medium", "hard")}
+    script[("todo_report", "hard")] = (0, 12)
+    curriculum = build_curriculum(outcomes(script), FAMILIES)
+    plan = plan_generation(curriculum, groups=10)["tool_use_chain"]
+    assert plan["teacher"]["groups"] == 10 and plan["policy"]["groups"] == 10
+
+
+def test_the_ablations_uniform_arm_gets_the_mined_plans_budget(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from benchmarks.curriculum_ablation import arm_profile
+    from flows.profiles import PROFILES
+
+    p = PROFILES["tiny"].model_copy(update={"groups": 12, "sft_steps": 4})
+    store = ArtifactStore(tmp_path)
+    script = {("todo_report", "easy"): (0, 12), ("line_count", "easy"): (12, 12), ("csv_summary", "easy"): (12, 12)}
+    curriculum = {"slices": build_curriculum(outcomes(script), FAMILIES, p.curriculum_config)}
+    store.put("weaknesses", "weaknesses-r1", {"curriculum.json": json.dumps(curriculum)})
+    # Taught: todo_report/easy and the two unlocked medium slices, 4 groups each; the two mastered
+    # slices replay 0.5 x 4 each on top: 16 groups, and SFT steps ceil(4 x 16 / 12).
+    uniform = arm_profile(store, p, "uniform")
+    assert (uniform.curriculum, uniform.groups, uniform.sft_steps) == ("uniform", 16, 6)
+    mined = arm_profile(store, p, "mined")
+    assert (mined.curriculum, mined.groups, mined.sft_steps) == ("mined", 12, 4)
+
+
 def test_grpo_weights_learnable_slices_by_p_times_one_minus_p() -> None:
     script = {("todo_report", "easy"): (0, 12), ("line_count", "easy"): (6, 12), ("csv_summary", "easy"): (12, 12)}
     mix = grpo_mix(build_curriculum(outcomes(script), FAMILIES))["tool_use_chain"]

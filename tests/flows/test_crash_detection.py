@@ -1,6 +1,7 @@
 """A flywheel flow run whose process dies is marked Crashed once its heartbeats stop (the automation
-`flywheel infra setup` creates), and only that run: one that finished, or one outside the flywheel
-(no `flywheel` tag), is left as it was. Real flow runs in subprocesses against the session's server."""
+`flywheel infra setup` creates), and only that run: one still alive (beating every 30 s against a
+45 s window), one that finished, and one outside the flywheel (no `flywheel` tag) are left as they
+were. Real flow runs in subprocesses against the session's server."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from flows.infra import CRASH_NAME, crash_detection
 from tests.flows.conftest import flow_runs
 
-WITHIN = timedelta(seconds=10)  # The shortest window Prefect allows a proactive trigger.
+HEARTBEAT = 30  # Prefect's shortest heartbeat period.
+WITHIN = timedelta(seconds=45)  # More than one period: a live run always beats inside it.
 PROBE = """
 import sys, time
 from prefect import flow, tags
@@ -39,9 +41,9 @@ with tags(*sys.argv[3:]):
 
 @pytest.fixture
 def detection(prefect_server: dict[str, str]) -> Iterator[None]:
-    """Crash detection with a 10 s window, removed again so no other test's runs meet it."""
+    """Crash detection with a 45 s window, removed again so no other test's runs meet it."""
     with temporary_settings(updates={PREFECT_API_URL: prefect_server["PREFECT_API_URL"]}):
-        assert "10 s -> Crashed" in crash_detection(WITHIN)
+        assert "45 s -> Crashed" in crash_detection(WITHIN)
         try:
             yield
         finally:
@@ -53,7 +55,7 @@ def detection(prefect_server: dict[str, str]) -> Iterator[None]:
 def start_probe(env: dict[str, str], name: str, mode: str, *tags: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-c", PROBE, name, mode, *tags],
-        env={**os.environ, **env, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"},
+        env={**os.environ, **env, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -92,9 +94,10 @@ def test_a_dead_flywheel_run_is_marked_crashed_and_no_other_run_is(
     prefect_server: dict[str, str], detection: None
 ) -> None:
     tag = uuid.uuid4().hex[:8]
-    dead, outside, finished = (f"{kind}-{tag}" for kind in ("dead", "outside", "finished"))
+    dead, alive, outside, finished = (f"{kind}-{tag}" for kind in ("dead", "alive", "outside", "finished"))
     probes = {
         dead: start_probe(prefect_server, dead, "hang", "flywheel"),
+        alive: start_probe(prefect_server, alive, "hang", "flywheel"),
         outside: start_probe(prefect_server, outside, "hang"),
         finished: start_probe(prefect_server, finished, "return", "flywheel"),
     }
@@ -107,11 +110,13 @@ def test_a_dead_flywheel_run_is_marked_crashed_and_no_other_run_is(
             os.killpg(probes[name].pid, signal.SIGKILL)  # As an evicted pod or a dead node: no final state sent.
             probes[name].wait()
         wait_for(lambda: run_of(prefect_server, dead)["state"]["type"] == "CRASHED", "the dead run marked Crashed")
+        time.sleep(10)  # Past the outside run's window too (it was killed just after the dead one).
+        # The live run is past its first window (it started with the dead one) on its second heartbeat.
+        assert run_of(prefect_server, alive)["state"]["type"] == "RUNNING"
     finally:
         for probe in probes.values():
             if probe.poll() is None:
                 os.killpg(probe.pid, signal.SIGKILL)
-    assert "No heartbeat for 10 s" in run_of(prefect_server, dead)["state"]["message"]
-    time.sleep(WITHIN.total_seconds())  # The outside run's window has passed as well by now.
+    assert "No heartbeat for 45 s" in run_of(prefect_server, dead)["state"]["message"]
     assert run_of(prefect_server, outside)["state"]["type"] == "RUNNING"  # Not the flywheel's to judge.
     assert run_of(prefect_server, finished)["state"]["type"] == "COMPLETED"
