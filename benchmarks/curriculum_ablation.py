@@ -19,15 +19,13 @@ candidates, and the totals.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import shutil
 import tempfile
 from pathlib import Path
 
 from data import ArtifactStore
-from evaluation.curriculum import plan_generation
-from flows.flywheel import completed_rounds, plain_stage, planned_groups, run_round, sft_steps
+from flows.flywheel import completed_rounds, plain_stage, plan_round, planned_groups, run_round, sft_steps
 from flows.profiles import PROFILES, RoundProfile
 
 
@@ -61,8 +59,7 @@ def arm_profile(source: ArtifactStore, p: RoundProfile, arm: str) -> RoundProfil
     that round 1's mined curriculum plans for round 2 (its replay comes on top of `groups`)."""
     if arm == "mined":
         return p.model_copy(update={"curriculum": "mined"})
-    slices = copy.deepcopy(source.read_json("weaknesses/weaknesses-r1", "curriculum.json")["slices"])
-    plan = plan_generation(slices, p.groups, p.curriculum_config, p.max_turns)
+    plan, _ = plan_round(source.read_json("weaknesses/weaknesses-r1", "curriculum.json"), p)
     budget = {"groups": max(planned_groups(plan), p.groups), "sft_steps": sft_steps(plan, p) or p.sft_steps}
     return p.model_copy(update={"curriculum": "uniform", **budget})
 

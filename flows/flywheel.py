@@ -95,11 +95,7 @@ def run_round(store: ArtifactStore, n: int, p: RoundProfile, stage: StageCall) -
     if n == 1 and store.try_resolve("weaknesses/weaknesses-r0") is None:  # Round 1's curriculum.
         stage("mine", round_no=0, evals=store.read_json("gate/gate-r0", "decision.json")["candidate_evals"])
     start = round_inputs(store, n, p)
-    plan, rl_mix = None, None
-    if start.curriculum is not None:  # Planned with this profile's budget and thresholds.
-        slices = copy.deepcopy(start.curriculum["slices"])
-        plan = plan_generation(slices, p.groups, p.curriculum_config, p.max_turns)
-        rl_mix = grpo_mix(slices, p.curriculum_config)
+    plan, rl_mix = plan_round(start.curriculum, p) if start.curriculum is not None else (None, None)
     rollouts = stage("generate", round_no=n, tokenizer_model=start.base, plan=plan)
     dataset = stage("curate", round_no=n, rollouts=rollouts)
     sft_ckpt = stage("sft", round_no=n, base=start.base, dataset=dataset, steps=sft_steps(plan, p))
@@ -117,6 +113,14 @@ def run_round(store: ArtifactStore, n: int, p: RoundProfile, stage: StageCall) -
     mined = evals if decision["promote"] else champion_evals
     stage("mine", round_no=n, evals=mined, previous=start.weaknesses, rollouts=rollouts)
     return stage("report", round_no=n, refs=round_refs(store, n)), decision
+
+
+def plan_round(curriculum: dict[str, Any], p: RoundProfile) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
+    """A mined curriculum's generation plan and GRPO task mix, planned with this profile's budget and
+    thresholds (on a copy: planning records weights and groups on the slices)."""
+    slices = copy.deepcopy(curriculum["slices"])
+    plan = plan_generation(slices, p.groups, p.curriculum_config, p.max_turns)
+    return plan, grpo_mix(slices, p.curriculum_config)
 
 
 def sft_steps(plan: dict[str, Any] | None, p: RoundProfile) -> int | None:
