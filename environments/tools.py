@@ -204,6 +204,26 @@ def write_file(ctx: ToolContext, path: str, content: str) -> str:
 
 
 @tool
+def patch(ctx: ToolContext, path: str, old_string: str, new_string: str) -> str:
+    """Replace one exact snippet of a workspace file: a targeted edit that leaves the rest as it was.
+
+    Args:
+        path: File path relative to the workspace.
+        old_string: Text to replace; it must occur exactly once in the file.
+        new_string: The text to put in its place.
+    """
+    if not old_string:
+        raise ToolCallError("patch: old_string must not be empty")
+    text = ctx.read_file(path)
+    count = text.count(old_string)
+    if count != 1:
+        where = "does not occur" if count == 0 else f"occurs {count} times (add surrounding lines to make it unique)"
+        raise ToolCallError(f"patch: old_string {where} in {path}")
+    ctx.write_file(path, text.replace(old_string, new_string))
+    return f"patched {path}"
+
+
+@tool
 def list_files(ctx: ToolContext, path: str = ".") -> str:
     """List the files under a folder of the workspace, recursively.
 
@@ -215,7 +235,7 @@ def list_files(ctx: ToolContext, path: str = ".") -> str:
 
 TOOLSETS: dict[str, list[Tool]] = {
     "terminal": [terminal],
-    "file": [read_file, write_file, list_files],
+    "file": [read_file, write_file, patch, list_files],
 }
 
 

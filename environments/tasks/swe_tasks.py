@@ -4,6 +4,8 @@ The agent sees the package, a visible test file and an issue text. The verifier 
 tests in after the episode and runs them with `python -I -m pytest --noconftest -c /dev/null`,
 so files the agent planted (conftest.py, pytest.ini, a shadowing pytest.py, deleted or edited
 visible tests) change nothing. Hidden tests cover every function, so gutting code fails too.
+The oracle fixes the bug with a targeted `patch` of the changed line, the same edit at every
+difficulty, rather than rewriting a module that holds up to six functions.
 """
 
 from __future__ import annotations
@@ -116,8 +118,21 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
         "oracle": [
             call("list_files", path="."),
             call("read_file", path=buggy_path),
-            call("write_file", path=buggy_path, content=module_source(modules[buggy], fixed=True)),
+            call("patch", path=buggy_path, **_fix(module_source(modules[buggy], fixed=False), buggy, category)),
             call("terminal", command="python -m pytest -q tests", timeout=120),
             final(f"Fixed `{buggy}` in {buggy_path}."),
         ],
     }
+
+
+def _fix(source: str, name: str, category: str) -> dict[str, str]:
+    """The oracle's edit: only the lines the bug changed (the whole function where those are not unique
+    in the module), so the demonstration is the same few tokens at every difficulty, however many
+    functions share the file, instead of the whole module rewritten."""
+    correct, broken = _FUNCTIONS[name][0], _FUNCTIONS[name][1][category]
+    good, bad = correct.splitlines(keepends=True), broken.splitlines(keepends=True)
+    changed = [i for i, (a, b) in enumerate(zip(good, bad, strict=True)) if a != b]
+    old = "".join(bad[changed[0] : changed[-1] + 1])
+    if source.count(old) != 1:
+        return {"old_string": broken, "new_string": correct}
+    return {"old_string": old, "new_string": "".join(good[changed[0] : changed[-1] + 1])}

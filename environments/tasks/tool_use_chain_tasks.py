@@ -45,10 +45,10 @@ _IMPORTS = (
     "from typing import Any",
 )
 _REGIONS = ("north", "south", "east", "west", "central")
-# The line_count and csv_summary oracles count and total with a script, never in their head:
-# adding a column of decimals or tallying lines over many files is arithmetic a small model cannot
-# learn from a few demonstrations, and one command (the same for every task and every difficulty
-# of the category) is a procedure it can.
+# The oracles count, total and number lines with a script, never in their head: adding a column of
+# decimals, tallying lines over many files or numbering a TODO's line is arithmetic a small model
+# cannot learn from a few demonstrations, and one command (the same for every task and every
+# difficulty of the category) is a procedure it can.
 _IMPORT_COUNTS = (
     "python -c \"import glob,json;json.dump({p:sum(l.startswith(('import ','from ')) for l in open(p)) "
     "for p in sorted(glob.glob('**/*.py',recursive=True))},open('counts.json','w'))\""
@@ -57,6 +57,11 @@ _CSV_TOTALS = (
     'python -c "import csv,json,collections;t=collections.Counter();'
     "[t.update({r['region']:float(r['amount'])}) for r in csv.DictReader(open('data/sales.csv'))];"
     "json.dump({k:round(v,2) for k,v in t.items()},open('summary.json','w'))\""
+)
+_TODO_TABLE = (
+    "python -c \"import glob;r=[(p,i,l.split('TODO:',1)[1].strip()) for p in sorted(glob.glob('**/*.py',recursive=True)) "
+    "for i,l in enumerate(open(p),1) if '# TODO:' in l];open('report.md','w').write('| file | line | todo |\\n"
+    "| --- | --- | --- |\\n'+''.join(f'| {p} | {i} | {t} |\\n' for p,i,t in r))\""
 )
 # The JSON file each JSON-answer category asks for, and the key of its ground truth in `answer`.
 JSON_ANSWERS = {"line_count": ("counts.json", "counts"), "csv_summary": ("summary.json", "totals")}
@@ -91,10 +96,6 @@ def _python_files(rng: random.Random, count: int, nested: bool) -> dict[str, str
     return files
 
 
-def _read_all(files: dict[str, str]) -> list[dict[str, Any]]:
-    return [call("list_files", path=".")] + [call("read_file", path=p) for p in sorted(files)]
-
-
 def _todo_report(rng: random.Random, files: dict[str, str], difficulty: str) -> dict[str, Any]:
     rows = [
         [path, number, line.split("TODO:", 1)[1].strip()]
@@ -102,7 +103,6 @@ def _todo_report(rng: random.Random, files: dict[str, str], difficulty: str) -> 
         for number, line in enumerate(files[path].splitlines(), start=1)
         if "# TODO:" in line
     ]
-    table = "| file | line | todo |\n| --- | --- | --- |\n" + "".join(f"| {f} | {n} | {t} |\n" for f, n, t in rows)
     return {
         "prompt": (
             "Collect every TODO comment in the Python (.py) files of this repository. Write report.md "
@@ -112,8 +112,8 @@ def _todo_report(rng: random.Random, files: dict[str, str], difficulty: str) -> 
         "files": files,
         "answer": {"rows": rows},
         "oracle": [
-            *_read_all(files),
-            call("write_file", path="report.md", content=table),
+            call("list_files", path="."),
+            call("terminal", command=_TODO_TABLE),
             final("report.md is written."),
         ],
     }

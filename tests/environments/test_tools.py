@@ -153,3 +153,21 @@ def test_unknown_toolset_lists_known() -> None:
     with pytest.raises(ValueError, match="terminal"):
         resolve_toolsets(["browser9000"])
     assert set(TOOLSETS) >= {"terminal", "file"}
+
+
+def test_patch_replaces_one_unique_snippet_and_refuses_anything_else() -> None:
+    ctx = ToolContext("patch-test")
+    try:
+        patch = {t.name: t for t in resolve_toolsets(["file"])}["patch"]
+        ctx.write_file("m.py", "def f(n):\n    return n - 1\n\n\ndef g(n):\n    return n\n")
+        assert patch(ctx, {"path": "m.py", "old_string": "n - 1", "new_string": "n + 1"}) == "patched m.py"
+        assert ctx.read_file("m.py") == "def f(n):\n    return n + 1\n\n\ndef g(n):\n    return n\n"
+        before = ctx.read_file("m.py")
+        for old, message in [("n * 2", "does not occur"), ("return n", "occurs 2 times"), ("", "must not be empty")]:
+            with pytest.raises(ToolCallError, match=message):
+                patch(ctx, {"path": "m.py", "old_string": old, "new_string": "x"})
+        assert ctx.read_file("m.py") == before  # A refused patch leaves the file as it was.
+        with pytest.raises(ToolCallError):  # The sandbox's path rules hold: no way out of the workspace.
+            patch(ctx, {"path": "../../etc/hostname", "old_string": "a", "new_string": "b"})
+    finally:
+        ctx.cleanup()

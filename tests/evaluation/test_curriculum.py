@@ -195,29 +195,30 @@ def test_an_env_without_categories_is_one_slice_that_gets_its_share() -> None:
 def test_teacher_data_goes_to_the_focus_easiest_slices_in_reach() -> None:
     """Unsolved slices whose oracle needs more turns than the round allows wait, and of the rest only
     `focus` are taught: easiest difficulty first, then fewest teacher turns; GRPO follows the plan."""
-    families = {"tool_use_chain": CATEGORIES, "long_horizon": ("library", "cli_tool", "data_utils")}
+    swe = ("off_by_one", "wrong_operator", "wrong_condition")
+    families = {"tool_use_chain": CATEGORIES, "swe_bench": swe, "long_horizon": ("library", "cli_tool", "data_utils")}
     opened = {"todo_report/medium": 1, "csv_summary/medium": 1}  # Unlocked harder slices, unsolved too.
     previous = {"tool_use_chain": {"unlocked": list(opened)}}
     curriculum = build_curriculum([], families, previous=previous)
-    plan = plan_generation(curriculum, groups=12, config=CurriculumConfig(focus=2), max_turns=6)
+    plan = plan_generation(curriculum, groups=12, config=CurriculumConfig(focus=3), max_turns=6)
     rows = {(env, row["slice"]): row for env, spec in curriculum.items() for row in spec["slices"]}
-    # Oracle turns: csv_summary and line_count 3 (one script each), todo_report 6, long_horizon 30.
-    assert rows[("tool_use_chain", "csv_summary/easy")]["teacher_turns"] == 3
+    # Oracle turns: tool_use_chain 3 (one script each), swe_bench 5, long_horizon 30.
+    assert rows[("tool_use_chain", "todo_report/easy")]["teacher_turns"] == 3
+    assert rows[("swe_bench", "off_by_one/easy")]["teacher_turns"] == 5
     assert all("out of reach" in rows[("long_horizon", f"{c}/easy")]["waits"] for c in families["long_horizon"])
-    assert "focus" in rows[("tool_use_chain", "todo_report/easy")]["waits"]  # In reach, but 6 turns.
+    assert all("focus" in rows[("swe_bench", f"{c}/easy")]["waits"] for c in swe)  # In reach, but 5 turns.
     assert "focus" in rows[("tool_use_chain", "csv_summary/medium")]["waits"]  # Reachable, but medium.
     taught = {key for key, row in rows.items() if row["groups"]}
-    assert taught == {("tool_use_chain", "csv_summary/easy"), ("tool_use_chain", "line_count/easy")}
+    assert taught == {("tool_use_chain", f"{c}/easy") for c in CATEGORIES}
     assert set(plan) == {"tool_use_chain"} and plan["tool_use_chain"]["teacher"]["groups"] == 12
     rl = grpo_mix(curriculum)  # Nothing learnable: GRPO on the slices SFT was just shown, not the waiting ones.
     assert {(env, s) for env, mix in rl.items() for s, w in mix.items() if w} == taught
     # Equally easy slices alternate envs: swe_bench's three 5-turn slices do not crowd out the web's.
-    three = {"swe_bench": ("off_by_one", "wrong_operator", "wrong_condition"), **families}
-    three["web_navigation"] = ("under_price", "cheapest", "lookup_price")  # 7, 7 and 5 turns.
+    three = {**families, "web_navigation": ("under_price", "cheapest", "lookup_price")}  # 7, 7 and 5 turns.
     spread = build_curriculum([], three)
-    plan_generation(spread, groups=6, config=CurriculumConfig(focus=4), max_turns=6)
+    plan_generation(spread, groups=6, config=CurriculumConfig(focus=5), max_turns=6)
     picked = {(env, row["slice"]) for env, spec in spread.items() for row in spec["slices"] if row["groups"]}
-    easiest = {("tool_use_chain", "csv_summary/easy"), ("tool_use_chain", "line_count/easy")}  # 3 turns.
+    easiest = {("tool_use_chain", f"{c}/easy") for c in CATEGORIES}  # 3 turns.
     assert picked == easiest | {("swe_bench", "off_by_one/easy"), ("web_navigation", "lookup_price/easy")}
     # Nothing in reach at all: every unsolved slice is taught as before.
     only_long = build_curriculum([], {"long_horizon": families["long_horizon"]})
