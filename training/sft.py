@@ -60,7 +60,8 @@ def load_rows(store: ArtifactStore, dataset: str) -> tuple[list[dict[str, Any]],
 
 
 class NoExampleFits(ValueError):
-    """Every conversation is longer than `max_length` (with `overlong: drop`): nothing to train on."""
+    """No conversation fits `max_length` (`overlong: drop`), or none keeps an assistant token when cut
+    (`truncate`): nothing to train on."""
 
 
 def tokenize_rows(
@@ -73,7 +74,8 @@ def tokenize_rows(
     """`input_ids` and `assistant_masks` (1 on assistant tokens) of each conversation.
 
     One longer than `max_length` is left out (`drop`): cut, it would teach the first turns of a
-    task and never its end, where a multi-turn agent's answer is. `truncate` cuts it instead."""
+    task and never its end, where a multi-turn agent's answer is. `truncate` cuts it instead, unless
+    the cut keeps no assistant token (a prompt longer than `max_length`), which would teach nothing."""
     ids, masks, too_long = [], [], []
     for row in rows:
         tools = json.loads(row["tools"]) if isinstance(row.get("tools"), str) else row.get("tools")
@@ -87,7 +89,7 @@ def tokenize_rows(
         )
         if len(out["input_ids"]) > max_length:
             too_long.append(sum(out["assistant_masks"][max_length:]))
-            if overlong == "drop":
+            if overlong == "drop" or not any(out["assistant_masks"][:max_length]):
                 continue
         ids.append(list(out["input_ids"])[:max_length])
         masks.append(list(out["assistant_masks"])[:max_length])

@@ -75,6 +75,15 @@ def test_a_conversation_longer_than_max_length_is_left_out_or_cut_with_figures(
     assert caplog.text == ""
     with pytest.raises(ValueError, match=f"none of 1 conversations fits max_length={fits - 1}: raise max_length"):
         tokenize_rows(tokenizer, [short], template, fits - 1)
+    # Cut inside the prompt, a conversation keeps no assistant token: truncate leaves it out too.
+    system_and_user = short["messages"][:2]
+    prompt = len(
+        tokenizer.apply_chat_template(system_and_user, tools=TOOLS, chat_template=template, return_dict=True)[
+            "input_ids"
+        ]
+    )
+    with pytest.raises(ValueError, match=f"none of 2 conversations fits max_length={prompt}"):
+        tokenize_rows(tokenizer, [short, long], template, prompt, overlong="truncate")
 
 
 @pytest.fixture

@@ -56,7 +56,7 @@ def test_sft_teaches_smollm2_to_call_tools(model_store: ArtifactStore, smollm2_m
 
     before = _valid_tool_calls(base, held_out, schemas)
     cfg = SFTRunConfig(
-        policy_model=str(base), dataset=str(data), total_steps=8, batch_size=2, learning_rate=2e-4, max_length=640,
+        policy_model=str(base), dataset=str(data), total_steps=8, batch_size=2, learning_rate=2e-4, max_length=896,
         overlong="truncate",  # The first tool call is what this test checks: cut what follows.
         num_threads=2, logs_root=str(tmp_path / "logs"), output_name="sft-smollm2",
     )  # fmt: skip
