@@ -118,7 +118,7 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
         "oracle": [
             call("list_files", path="."),
             call("read_file", path=buggy_path),
-            call("patch", path=buggy_path, **_fix(module_source(modules[buggy], fixed=False), buggy, category)),
+            call("patch", path=buggy_path, **_fix(files[buggy_path], buggy, category)),
             call("terminal", command="python -m pytest -q tests", timeout=120),
             final(f"Fixed `{buggy}` in {buggy_path}."),
         ],
