@@ -9,8 +9,9 @@ Filters, in order, each counted in the card:
 5. `exact_duplicate` / `near_duplicate`: same conversation, or word-shingle Jaccard >= threshold.
 6. `contaminated`: the task is an evaluation item's (equal `content_digest`: prompt, files and
    answer, whatever the ids), or its text has most of the n-grams that only one eval item has
-   (n-grams two eval items share are template text: a held-out set of many templates, a few items
-   each, must not make every training task of a template look contaminated).
+   (n-grams two eval items, or two distinct training tasks, share are template text: a held-out set
+   of many templates, a few items each or one, must not make every training task of a template look
+   contaminated).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import hashlib
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,9 +94,13 @@ def curate(
     config = config or CurationConfig()
     result = CurationResult(sft=[], pairs=[])
     candidates: list[dict[str, Any]] = []
+    training_tasks: dict[str, str] = {}  # Task key -> task text, for what the generator's templates share.
     for group in groups:
         result.groups_seen += 1
         meta = group.get("meta") or {}
+        if group.get("messages"):
+            text = _task_text(group["messages"][0])
+            training_tasks[meta.get("content_digest") or hashlib.sha256(text.encode()).hexdigest()] = text
         scores = [float(s) for s in group.get("scores") or []]
         completed = meta.get("completed") or [s >= 1.0 for s in scores]
         rollouts = [
@@ -127,7 +132,7 @@ def curate(
         for rollout in good[: config.top_n_per_group]:
             candidates.append(_sft_row(rollout, meta))
     kept = _deduplicate(candidates, config, result.removed)
-    checker = _ContaminationCheck(eval_texts, config, eval_digests or set())
+    checker = _ContaminationCheck(eval_texts, config, eval_digests or set(), list(training_tasks.values()))
     for row in kept:
         if checker.contaminated(_task_text(row["messages"]), row["meta"].get("content_digest")):
             result.removed["contaminated"] += 1
@@ -213,12 +218,23 @@ def _deduplicate(rows: list[dict[str, Any]], config: CurationConfig, removed: Co
 
 
 class _ContaminationCheck:
-    def __init__(self, eval_texts: list[str], config: CurationConfig, digests: set[str]) -> None:
+    """A training task is contaminated when it is a held-out task (its content digest) or carries
+    enough of a held-out item's rare n-grams. Rare: in fewer than `boilerplate_items` held-out items
+    and in fewer than that many distinct training tasks (by digest, else by text): text the generator
+    gives two different tasks is a template, not what identifies one (the digest check still catches
+    the same task in other words). With one held-out item per category the first count alone would
+    take a category's prompt template for that item's own text."""
+
+    def __init__(
+        self, eval_texts: list[str], config: CurationConfig, digests: set[str], training_texts: Sequence[str] = ()
+    ) -> None:
         self.n = config.contamination_ngram
         self.overlap = config.contamination_overlap
         grams = [set(_ngrams(text, self.n)) for text in eval_texts]
         df = Counter(g for doc in grams for g in doc)
-        self.docs = [{g for g in doc if df[g] < config.boilerplate_items} for doc in grams]
+        df_training = Counter(g for text in training_texts for g in set(_ngrams(text, self.n)))
+        limit = config.boilerplate_items
+        self.docs = [{g for g in doc if df[g] < limit and df_training[g] < limit} for doc in grams]
         self.digests = digests
         self.index: dict[tuple[str, ...], list[int]] = {}
         for number, doc in enumerate(self.docs):

@@ -108,6 +108,24 @@ def test_a_template_a_few_eval_items_share_is_not_contamination_but_their_task_i
     assert result.removed["contaminated"] == 2  # An eval item's own parameters; an eval item's task.
 
 
+def test_a_template_two_training_tasks_share_is_not_contamination_with_one_eval_item() -> None:
+    """One held-out item per category (the quick profile): its prompt is the category's template,
+    which every generated task of the category repeats. Two distinct generated tasks sharing the text
+    make it a template; one task that alone carries it, or the held-out task itself, stays out."""
+    todo = "Collect every TODO comment in the Python files of this repository and write report.md"
+    rows = [
+        group("b", [(convo(todo, "wrote report.md with 3 rows"), 1.0)], content_digest="b"),
+        group("c", [(convo(todo, "wrote report.md with 5 rows"), 1.0)], content_digest="c"),
+        group("held-out", [(convo(todo, "wrote report.md with 4 rows " + LONG), 1.0)], content_digest="a"),
+    ]
+    result = curate(rows, [todo], eval_digests={"a"})
+    assert [row["meta"]["item_id"] for row in result.sft] == ["b", "c"]
+    alone = curate(rows[:1], [todo], eval_digests={"a"})
+    assert alone.sft == [] and alone.removed["contaminated"] == 1  # One task: nothing says it is a template.
+    same_text = [group("d", [(convo(todo, "wrote report.md with 3 rows"), 1.0)])] * 2  # No digest: one task.
+    assert curate(same_text, [todo]).removed["contaminated"] == 1
+
+
 def test_low_spread_groups_are_dropped_when_asked() -> None:
     rows = [group("flat", [(convo("a", "x"), 1.0), (convo("a", "y"), 1.0)]),
             group("spread", [(convo("b", "x"), 1.0), (convo("b", "y"), 0.0)])]  # fmt: skip
