@@ -23,6 +23,7 @@ from training.grpo import (
     env_reward,
     grpo_args,
     policy_envs,
+    score_reference_in_bf16,
     task_dataset,
 )
 from training.rollouts import PolicyServer, agent_rollout_func
@@ -392,3 +393,20 @@ def test_the_policy_server_hands_freed_memory_back_before_each_kv_cache(tiny_mod
         asyncio.run(server.chat_completion([{"role": "user", "content": "Hi"}], temperature=0.0))
         asyncio.run(server.chat_completion([{"role": "user", "content": "Hi"}], temperature=1.0))
     assert events[:4] == ["handed back", "cache", "handed back", "cache"]
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["bf16-autocast", "fp32"])
+def test_the_kl_reference_scores_in_bf16_under_bf16_autocast(tiny_model: Path, autocast: bool) -> None:
+    """Under bf16 autocast the reference's matmuls already run in bf16: bf16 weights score (nearly) the same."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model)  # The fp32 twin, as the policy starts.
+    score_reference_in_bf16(SimpleNamespace(ref_model=ref, args=SimpleNamespace(bf16=autocast)))
+    assert ref.dtype == (torch.bfloat16 if autocast else torch.float32)
+    ids = torch.randint(0, policy.config.vocab_size, (1, 32))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        scored, fp32 = (m(ids).logits.float().log_softmax(-1) for m in (ref, policy))
+    assert (scored - fp32).abs().max() < 0.05
