@@ -47,8 +47,9 @@ class CurationConfig(BaseModel):
     boilerplate_items: int = Field(
         default=2,
         ge=2,
-        description="n-grams in at least this many eval items are template text: what identifies an item is "
-        "what no other has (a share of the set would let a template shared by a few of many items count).",
+        description="n-grams in at least this many eval items, or distinct training tasks, are template text: "
+        "what identifies an item is what no other has (a share of the set would let a template shared by a few "
+        "of many items count).",
     )
     pair_min_gap: float = Field(default=0.5, ge=0, description="Min score gap between chosen and rejected.")
 
