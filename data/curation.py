@@ -20,7 +20,7 @@ import hashlib
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,7 +133,7 @@ def curate(
         for rollout in good[: config.top_n_per_group]:
             candidates.append(_sft_row(rollout, meta))
     kept = _deduplicate(candidates, config, result.removed)
-    checker = _ContaminationCheck(eval_texts, config, eval_digests or set(), list(training_tasks.values()))
+    checker = _ContaminationCheck(eval_texts, config, eval_digests or set(), training_tasks.values())
     for row in kept:
         if checker.contaminated(_task_text(row["messages"]), row["meta"].get("content_digest")):
             result.removed["contaminated"] += 1
@@ -227,7 +227,7 @@ class _ContaminationCheck:
     take a category's prompt template for that item's own text."""
 
     def __init__(
-        self, eval_texts: list[str], config: CurationConfig, digests: set[str], training_texts: Sequence[str] = ()
+        self, eval_texts: list[str], config: CurationConfig, digests: set[str], training_texts: Iterable[str]
     ) -> None:
         self.n = config.contamination_ngram
         self.overlap = config.contamination_overlap
