@@ -25,6 +25,7 @@ from prefect.concurrency.sync import concurrency
 from data import Manifest
 from evaluation.weakness import stored_curriculum
 from flows import work
+from flows.heartbeats import end_heartbeats_without_waiting
 from flows.infra import GPU_LIMIT, limit_exists
 from flows.profiles import RoundProfile
 from flows.ui import EvalProgress, ProgressArtifact, artifact_link, markdown, metrics_table, stage_run_name
@@ -42,6 +43,8 @@ from flows.work import (
 )
 
 POOLS = {"gpu": "h100", "cpu": "cpu"}  # The work pools of prefect.yaml and `flywheel infra setup`.
+
+end_heartbeats_without_waiting()  # Before any flow here or in a module importing this one runs.
 
 
 def stage_flow(name: str) -> Callable[[Callable[..., str]], Any]:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -34,3 +35,25 @@ def task_runs(env: dict[str, str], flow_run_id: str | None = None, **task_run_fi
     response = httpx.post(f"{env['PREFECT_API_URL']}/task_runs/filter", json=body, timeout=10)
     response.raise_for_status()
     return response.json()
+
+
+def heartbeats(env: dict[str, str], flow_run_id: str) -> int:
+    """How many heartbeat events of a flow run the server has (up to 10)."""
+    body = {
+        "filter": {
+            "event": {"name": ["prefect.flow-run.heartbeat"]},
+            "resource": {"id": [f"prefect.flow-run.{flow_run_id}"]},
+        },
+        "limit": 10,
+    }
+    response = httpx.post(f"{env['PREFECT_API_URL']}/events/filter", json=body, timeout=10)
+    response.raise_for_status()
+    return len(response.json()["events"])
+
+
+def wait_for(check: Callable[[], Any], what: str, timeout: float = 120.0) -> None:
+    """Poll `check` every second until it is true; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(1)

@@ -14,19 +14,21 @@ import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 
-import httpx
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.infra import CRASH_NAME, crash_detection
-from tests.flows.conftest import flow_runs
+from tests.flows.conftest import flow_runs, heartbeats, wait_for
 
 HEARTBEAT = 30  # Prefect's shortest heartbeat period.
 WITHIN = timedelta(seconds=45)  # More than one period: a live run always beats inside it.
 PROBE = """
 import sys, time
 from prefect import flow, tags
+from flows.heartbeats import end_heartbeats_without_waiting
+
+end_heartbeats_without_waiting()  # As every flywheel flow run: a finished run must stay Completed.
 
 @flow(name="crash-probe", flow_run_name=sys.argv[1])
 def probe() -> None:
@@ -68,26 +70,6 @@ def run_of(env: dict[str, str], name: str) -> dict:
     runs = flow_runs(env, name={"any_": [name]})
     assert len(runs) <= 1, runs
     return runs[0] if runs else {}
-
-
-def heartbeats(env: dict[str, str], flow_run_id: str) -> int:
-    body = {
-        "filter": {
-            "event": {"name": ["prefect.flow-run.heartbeat"]},
-            "resource": {"id": [f"prefect.flow-run.{flow_run_id}"]},
-        },
-        "limit": 10,
-    }
-    response = httpx.post(f"{env['PREFECT_API_URL']}/events/filter", json=body, timeout=10)
-    response.raise_for_status()
-    return len(response.json()["events"])
-
-
-def wait_for(check, what: str, timeout: float = 120.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(1)
 
 
 def test_a_dead_flywheel_run_is_marked_crashed_and_no_other_run_is(
