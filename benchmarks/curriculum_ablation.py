@@ -13,7 +13,10 @@ the mined plan's total groups and SFT steps; both are printed. `--mined-from` ta
 from a store where the flywheel itself went on from this very round 1 to round 2 with the mined
 curriculum (the same round body, so only the uniform arm runs: half the compute). Printed: per
 weak slice (unsolved or learnable in round 1's curriculum) the held-out success of both
-candidates, and the totals.
+candidates, and the totals. Two held-out items a slice cannot tell the arms apart, so both
+candidates then answer a larger sample of the weak slices from the same eval seed stream
+(`--weak-items` a slice, the same items for both) and the gate's paired bootstrap gives P(mined
+better) on it.
 """
 
 from __future__ import annotations
@@ -25,8 +28,12 @@ import tempfile
 from pathlib import Path
 
 from data import ArtifactStore
+from environments.task_stream import DIFFICULTIES
+from evaluation.gate import decide, paired_outcomes
 from flows.flywheel import completed_rounds, plain_stage, plan_round, planned_groups, run_round, sft_steps
 from flows.profiles import PROFILES, RoundProfile
+from flows.stages import STAGES
+from training.models import resolve_model
 
 
 def weak_slices(store: ArtifactStore) -> set[str]:
@@ -87,19 +94,46 @@ def finished_mined_arm(source: ArtifactStore, path: Path, profile: str) -> tuple
     return store, store.resolve("eval/agentic-r2")
 
 
+def weak_profile(p: RoundProfile, weak: set[str], per_slice: int) -> RoundProfile:
+    """`p` evaluating only the weak slices' envs, categories and (when they share one) difficulty,
+    with about `per_slice` items a weak slice (the held-out stream is stratified over the slices)."""
+    parts = [key.split("/") for key in weak]
+    envs = sorted({env for env, _, _ in parts})
+    categories = sorted({category for _, category, _ in parts})
+    difficulties = {difficulty for _, _, difficulty in parts}
+    difficulty = difficulties.pop() if len(difficulties) == 1 else None
+    sample = p.model_copy(update={"envs": envs, "categories": categories, "difficulty": difficulty})
+    widest = max(len(covered) or 1 for covered in sample.families().values())
+    size = per_slice * widest * (1 if difficulty else len(DIFFICULTIES))
+    return sample.model_copy(update={"eval_size": size})
+
+
+def weak_slice_eval(store: ArtifactStore, eval_store: ArtifactStore, p: RoundProfile, arm: str) -> str:
+    """The arm's round-2 candidate evaluated with profile `p` into `eval_store`; the eval's id."""
+    candidate = store.read_json("gate/gate-r2", "decision.json")["candidate"]
+    model_dir = resolve_model(candidate, store)
+    params = STAGES["evaluate"].params(
+        store_url=eval_store.root_url, profile=p, round_no=2, model=str(model_dir), name=f"weak-{arm}"
+    )
+    return STAGES["evaluate"].work(params).id
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", default=".flywheel", help="a local store where round 1 has finished")
     parser.add_argument("--profile", default="default", choices=sorted(PROFILES))
     parser.add_argument("--mined-from", type=Path, help="a store whose round 2 followed this round 1 (mined)")
+    parser.add_argument("--weak-items", type=int, default=8, help="items a weak slice in the larger sample (0: none)")
     args = parser.parse_args()
     source = Path(args.store)
     source_store = ArtifactStore(source)
     if completed_rounds(source_store) != 1:
         parser.error(f"{source} must hold exactly round 1 (a report of round 1 and none of round 2)")
     weak = weak_slices(source_store)
-    results, overall = {}, {}
+    results, overall, larger = {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="ablation-") as tmp:
+        eval_store = ArtifactStore(Path(tmp, "weak-evals"))
+        sample = weak_profile(PROFILES[args.profile], weak, args.weak_items) if args.weak_items else None
         for arm in ("mined", "uniform"):
             p = arm_profile(source_store, PROFILES[args.profile], arm)
             if arm == "uniform":
@@ -110,6 +144,8 @@ def main() -> None:
                 store, eval_id = run_arm(source, Path(tmp), p)
             results[arm] = slice_success(store, eval_id, weak)
             overall[arm] = store.manifest(eval_id).metrics
+            if sample is not None:
+                larger[arm] = weak_slice_eval(store, eval_store, sample, arm)
     print(f"round 2 from the same round-1 champion, profile {args.profile}: held-out success on round 1's weak slices")
     print(f"{'slice':<45} {'mined':>8} {'uniform':>8}")
     totals = {arm: [0, 0] for arm in results}
@@ -126,6 +162,26 @@ def main() -> None:
     mined_all, uniform_all = (overall[arm]["success_rate"] for arm in ("mined", "uniform"))
     print(f"{'all held-out items':<45} {mined_all:>8.2f} {uniform_all:>8.2f}")
     print(f"curriculum - uniform: {rates['mined'] - rates['uniform']:+.2f} (goal: > 0)")
+    if larger:
+        print_larger_sample(eval_store, larger, weak)
+
+
+def print_larger_sample(store: ArtifactStore, evals: dict[str, str], weak: set[str]) -> None:
+    """Per weak slice and in total, both arms on the larger sample; the paired difference and its
+    bootstrap P(mined better), as the gate computes them."""
+    cells = {arm: slice_success(store, eval_id, weak) for arm, eval_id in evals.items()}
+    totals = {arm: tuple(map(sum, zip(*cells[arm].values(), strict=True))) for arm in cells}
+    print("larger sample of the weak slices (the same items for both arms):")
+    print(f"{'slice':<45} {'mined':>8} {'uniform':>8}")
+    rows = [(key, {arm: cells[arm][key] for arm in cells}) for key in sorted(weak)] + [("all weak slices", totals)]
+    for key, row in rows:
+        print(f"{key:<45} " + " ".join(f"{row[arm][0]:>5}/{row[arm][1]:<2}" for arm in ("mined", "uniform")))
+    mined, uniform = (paired_outcomes(store, evals[arm]) for arm in ("mined", "uniform"))
+    verdict = decide(mined, uniform)
+    print(
+        f"mined - uniform on {verdict['n_shared']} paired items: {verdict['primary_delta']:+.3f}, "
+        f"bootstrap P(mined better) = {verdict['p_better']:.2f}"
+    )
 
 
 if __name__ == "__main__":
