@@ -146,7 +146,17 @@ def main() -> None:
             overall[arm] = store.manifest(eval_id).metrics
             if sample is not None:
                 larger[arm] = weak_slice_eval(store, eval_store, sample, arm)
-    print(f"round 2 from the same round-1 champion, profile {args.profile}: held-out success on round 1's weak slices")
+        # Inside the temporary directory: the larger sample's evals live there.
+        print_weak_slices(results, overall, weak, args.profile)
+        if larger:
+            print_larger_sample(eval_store, larger, weak)
+
+
+def print_weak_slices(
+    results: dict[str, dict[str, tuple[int, int]]], overall: dict[str, dict[str, float]], weak: set[str], profile: str
+) -> None:
+    """Per weak slice and in total, both arms on the held-out set; both on all held-out items."""
+    print(f"round 2 from the same round-1 champion, profile {profile}: held-out success on round 1's weak slices")
     print(f"{'slice':<45} {'mined':>8} {'uniform':>8}")
     totals = {arm: [0, 0] for arm in results}
     for key in sorted(weak):
@@ -162,8 +172,6 @@ def main() -> None:
     mined_all, uniform_all = (overall[arm]["success_rate"] for arm in ("mined", "uniform"))
     print(f"{'all held-out items':<45} {mined_all:>8.2f} {uniform_all:>8.2f}")
     print(f"curriculum - uniform: {rates['mined'] - rates['uniform']:+.2f} (goal: > 0)")
-    if larger:
-        print_larger_sample(eval_store, larger, weak)
 
 
 def print_larger_sample(store: ArtifactStore, evals: dict[str, str], weak: set[str]) -> None:
