@@ -6,6 +6,9 @@ from __future__ import annotations
 import doctest
 import json
 from collections import Counter
+from pathlib import Path
+
+import pytest
 
 from data import ArtifactStore
 from environments.generate import GenerationPart, generate_rollouts
@@ -128,6 +131,37 @@ def test_the_ablations_uniform_arm_gets_the_mined_plans_budget(tmp_path) -> None
     assert (uniform.curriculum, uniform.groups, uniform.sft_steps) == ("uniform", 16, 6)
     mined = arm_profile(store, p, "mined")
     assert (mined.curriculum, mined.groups, mined.sft_steps) == ("mined", 12, 4)
+
+
+def test_the_ablation_prints_both_arms_on_the_larger_sample_with_the_paired_bootstrap(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks.curriculum_ablation import print_larger_sample
+
+    store = ArtifactStore(tmp_path)
+    price, bug = "web_navigation/lookup_price/easy", "swe_bench/off_by_one/easy"
+    weak = {price, bug}
+
+    def eval_of(successes: dict[str, list[bool]]) -> str:
+        rows = [
+            {"env": key.split("/")[0], "category": key.split("/")[1], "difficulty": "easy", "item_id": f"{key}-{i}"}
+            | {"reward": float(ok), "success": ok}
+            for key, items in successes.items()
+            for i, ok in enumerate(items)
+        ]
+        return store.put("eval", "weak", {"samples/all.jsonl": "".join(json.dumps(r) + "\n" for r in rows)}).id
+
+    evals = {
+        "mined": eval_of({price: [True, True], bug: [True, False]}),
+        "uniform": eval_of({price: [False, True], bug: [False, False]}),
+    }
+    print_larger_sample(store, evals, weak)
+    out = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
+    assert "web_navigation/lookup_price/easy 2/2 1/2" in out and "swe_bench/off_by_one/easy 1/2 0/2" in out
+    assert "all weak slices 3/4 1/4" in out
+    # Two of the four paired items won, none lost: P(better) 1 - (1/2)^4 in expectation.
+    verdict = out[-1]
+    assert verdict.startswith("mined - uniform on 4 paired items: +0.500") and float(verdict.split()[-1]) > 0.85
 
 
 def test_grpo_weights_learnable_slices_by_p_times_one_minus_p() -> None:
