@@ -152,21 +152,21 @@ def main() -> None:
             print_larger_sample(eval_store, larger, weak)
 
 
+def print_slice_rows(cells: dict[str, dict[str, tuple[int, int]]], weak: set[str]) -> dict[str, tuple[int, int]]:
+    """One row a weak slice, both arms' successes/items; each arm's total (successes, items)."""
+    print(f"{'slice':<45} {'mined':>8} {'uniform':>8}")
+    for key in sorted(weak):
+        row = [f"{w}/{n}" if n else "-" for w, n in (cells[arm][key] for arm in ("mined", "uniform"))]
+        print(f"{key:<45} {row[0]:>8} {row[1]:>8}")
+    return {arm: (sum(w for w, _ in cells[arm].values()), sum(n for _, n in cells[arm].values())) for arm in cells}
+
+
 def print_weak_slices(
     results: dict[str, dict[str, tuple[int, int]]], overall: dict[str, dict[str, float]], weak: set[str], profile: str
 ) -> None:
     """Per weak slice and in total, both arms on the held-out set; both on all held-out items."""
     print(f"round 2 from the same round-1 champion, profile {profile}: held-out success on round 1's weak slices")
-    print(f"{'slice':<45} {'mined':>8} {'uniform':>8}")
-    totals = {arm: [0, 0] for arm in results}
-    for key in sorted(weak):
-        cells = []
-        for arm in ("mined", "uniform"):
-            wins, n = results[arm][key]
-            totals[arm][0] += wins
-            totals[arm][1] += n
-            cells.append(f"{wins}/{n}" if n else "-")
-        print(f"{key:<45} {cells[0]:>8} {cells[1]:>8}")
+    totals = print_slice_rows(results, weak)
     rates = {arm: (w / n if n else 0.0) for arm, (w, n) in totals.items()}
     print(f"{'all weak slices':<45} {rates['mined']:>8.2f} {rates['uniform']:>8.2f}")
     mined_all, uniform_all = (overall[arm]["success_rate"] for arm in ("mined", "uniform"))
@@ -177,13 +177,10 @@ def print_weak_slices(
 def print_larger_sample(store: ArtifactStore, evals: dict[str, str], weak: set[str]) -> None:
     """Per weak slice and in total, both arms on the larger sample; the paired difference and its
     bootstrap P(mined better), as the gate computes them."""
-    cells = {arm: slice_success(store, eval_id, weak) for arm, eval_id in evals.items()}
-    totals = {arm: tuple(map(sum, zip(*cells[arm].values(), strict=True))) for arm in cells}
     print("larger sample of the weak slices (the same items for both arms):")
-    print(f"{'slice':<45} {'mined':>8} {'uniform':>8}")
-    rows = [(key, {arm: cells[arm][key] for arm in cells}) for key in sorted(weak)] + [("all weak slices", totals)]
-    for key, row in rows:
-        print(f"{key:<45} " + " ".join(f"{row[arm][0]:>5}/{row[arm][1]:<2}" for arm in ("mined", "uniform")))
+    totals = print_slice_rows({arm: slice_success(store, eval_id, weak) for arm, eval_id in evals.items()}, weak)
+    cells = [f"{w}/{n}" for w, n in (totals[arm] for arm in ("mined", "uniform"))]
+    print(f"{'all weak slices':<45} {cells[0]:>8} {cells[1]:>8}")
     mined, uniform = (paired_outcomes(store, evals[arm]) for arm in ("mined", "uniform"))
     verdict = decide(mined, uniform)
     print(
