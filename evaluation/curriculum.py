@@ -20,9 +20,10 @@ slice, class, weight, groups - is recorded and generation follows it exactly.
 
 Teacher data goes where it can teach: an unsolved slice whose teacher needs more turns than the
 round allows (`max_turns`) waits as *out of reach* (a student judged on 6 turns cannot imitate a
-30-turn demonstration), and of the reachable ones only the `focus` easiest (easiest difficulty,
-then fewest teacher turns) are taught this round, so a small budget teaches a few slices well
-rather than every slice a little; the others wait for a later round.
+30-turn demonstration), and of the reachable ones only the easiest (easiest difficulty, then fewest
+teacher turns) are taught this round: at most `focus` of them, and no more than the budget left
+after the learnable slices gives `min_teacher_groups` each, so a small budget teaches a few slices
+well rather than every slice a little; the others wait for a later round.
 """
 
 from __future__ import annotations
@@ -63,6 +64,13 @@ class CurriculumConfig(BaseModel):
         default=None,
         ge=1,
         description="Unsolved slices given teacher data per round (easiest first; None: every one in reach).",
+    )
+    min_teacher_groups: int | None = Field(
+        default=None,
+        ge=1,
+        description="Groups each taught unsolved slice gets at least: only as many (easiest first, at least one) "
+        "as the budget left after the learnable slices can give this many (None: no floor). A count would teach "
+        "3 slices at ~11 groups and defer a 4th a round where 8 each teach all four.",
     )
 
 
@@ -187,7 +195,7 @@ def plan_generation(
     cells = [cell for rank in itertools.zip_longest(*per_env) for cell in rank if cell is not None]
     for _, row in cells:
         row["weight"] = weight[row["class"]]
-    _focus_teaching(cells, config.focus, max_turns)
+    _focus_teaching(cells, _teaching_limit(cells, groups, config), max_turns)
     taught = [0.0 if row["class"] == "mastered" else row["weight"] for _, row in cells]
     replayed = [row["weight"] if row["class"] == "mastered" else 0.0 for _, row in cells]
     replay_groups = min(round(sum(replayed) * groups / sum(taught)), groups) if any(taught) else groups
@@ -207,6 +215,17 @@ def plan_generation(
         for part in parts.values():  # Slices the mix leaves out get weight 0 (TaskStream's default is 1).
             part["mix"] = {row["slice"]: part["mix"].get(row["slice"], 0) for row in curriculum[env]["slices"]}
     return dict(plan)
+
+
+def _teaching_limit(cells: list[tuple[str, dict[str, Any]]], groups: int, config: CurriculumConfig) -> int | None:
+    """How many unsolved slices this round teaches: `focus`, and no more than leave `min_teacher_groups`
+    each once the learnable slices (weighted alike) have their share; at least one."""
+    limit = config.focus
+    if config.min_teacher_groups:
+        learnable = sum(row["class"] == "learnable" for _, row in cells)
+        floor = max(1, groups // config.min_teacher_groups - learnable)
+        limit = min(limit or floor, floor)
+    return limit
 
 
 def _focus_teaching(cells: list[tuple[str, dict[str, Any]]], focus: int | None, max_turns: int | None) -> None:

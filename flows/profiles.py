@@ -135,15 +135,18 @@ class RoundProfile(BaseModel):
 
 
 # CPU rounds hold out about one item per slice: 68 % intervals (z = 1) let 3 of 3 master a slice
-# and 0 of 3 mark it unsolved, where 95 % would need 9 of 9. A CPU round's SFT sees ~24
-# conversations: three slices taught at a time get ~8 each, where twelve would get two.
+# and 0 of 3 mark it unsolved, where 95 % would need 9 of 9. A CPU round's SFT sees a few dozen
+# conversations: a few slices taught at a time get ~8 each, where twelve would get two.
 CPU_CURRICULUM = CurriculumConfig(z=1.0, focus=3)
+# The default round's 32 groups teach as many unsolved slices as get 8 each: with a count of 3, round
+# 2 taught three at ~11 and deferred a fourth, which it then lost 0-7 to a uniform mix on 12 items.
+DEFAULT_CURRICULUM = CurriculumConfig(z=1.0, min_teacher_groups=8)
 
 PROFILES: dict[str, RoundProfile] = {
     # SmolLM2-135M on CPU: the slice a 135M model can learn in one round (look a product up, copy
     # its id and price) rather than arithmetic or 6+ tool calls, which it fails before and after.
     "default": RoundProfile(
-        curriculum_config=CPU_CURRICULUM,
+        curriculum_config=DEFAULT_CURRICULUM,
         groups=32,
         sft_batch_size=1,  # 4 conversations a step, one at a time: a quarter of the activation memory, no padding.
         sft_gradient_accumulation=4,

@@ -259,3 +259,39 @@ def test_teacher_data_goes_to_the_focus_easiest_slices_in_reach() -> None:
     plan_generation(only_long, groups=3, max_turns=6)
     easy = [row for row in only_long["long_horizon"]["slices"] if row["slice"].endswith("/easy")]
     assert [row["groups"] for row in easy] == [1, 1, 1] and not any("waits" in row for row in easy)
+
+
+def test_a_teacher_group_floor_teaches_as_many_unsolved_slices_as_the_budget_gives_it() -> None:
+    """`min_teacher_groups` sets how many unsolved slices a round teaches from its budget: all four in
+    reach at 8 groups each where a `focus` of 3 would defer one; learnable slices take their share
+    first; a budget under the floor still teaches the easiest one."""
+    swe = ("off_by_one", "wrong_operator", "wrong_condition")
+    families = {"swe_bench": swe, "web_navigation": ("under_price", "cheapest", "lookup_price")}
+    reachable = {("swe_bench", f"{c}/easy") for c in swe} | {("web_navigation", "lookup_price/easy")}
+
+    def taught(curriculum: dict) -> dict[tuple[str, str], int]:
+        rows = [(env, row) for env, spec in curriculum.items() for row in spec["slices"]]
+        return {(env, row["slice"]): row["groups"] for env, row in rows if row["groups"]}
+
+    floor = CurriculumConfig(z=1.0, min_teacher_groups=8)
+    curriculum = build_curriculum([], families, config=floor)
+    plan = plan_generation(curriculum, groups=32, config=floor, max_turns=6)
+    assert taught(curriculum) == dict.fromkeys(reachable, 8)
+    assert plan["swe_bench"]["teacher"]["groups"] == 24 and plan["web_navigation"]["teacher"]["groups"] == 8
+    counted = build_curriculum([], families, config=CurriculumConfig(z=1.0, focus=3))
+    plan_generation(counted, groups=32, config=CurriculumConfig(z=1.0, focus=3), max_turns=6)
+    assert len(taught(counted)) == 3 and set(taught(counted)) < reachable
+    # One learnable slice takes a quarter of the budget: the three easiest of six unsolved slices in
+    # reach (tool_use_chain's, 3 turns) are left their 8 each; the other three wait.
+    six = {**families, "tool_use_chain": CATEGORIES}
+    seen = build_curriculum(outcomes({("off_by_one", "easy"): (1, 3)}, env="swe_bench"), six, config=floor)
+    plan_generation(seen, groups=32, config=floor, max_turns=6)
+    assert classes(seen, "swe_bench")["off_by_one/easy"] == "learnable"
+    expected = {("tool_use_chain", f"{c}/easy") for c in CATEGORIES} | {("swe_bench", "off_by_one/easy")}
+    assert taught(seen) == dict.fromkeys(expected, 8)
+    waiting = [row["slice"] for spec in seen.values() for row in spec["slices"] if "focus of 3" in row.get("waits", "")]
+    assert sorted(waiting) == ["lookup_price/easy", "wrong_condition/easy", "wrong_operator/easy"]
+    # A budget under the floor: the single easiest slice gets all of it.
+    small = build_curriculum([], families, config=floor)
+    plan_generation(small, groups=4, config=floor, max_turns=6)
+    assert list(taught(small).values()) == [4]
