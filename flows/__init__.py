@@ -13,5 +13,8 @@ LIBRARY_LOGGERS = ("data", "environments", "evaluation", "inference", "training"
 
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", ",".join(LIBRARY_LOGGERS))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # Machines here reach no telemetry host.
+# The temporary server `flywheel round` starts migrates a fresh SQLite first: on 2 busy cores that took
+# over Prefect's 20 s and the round failed before it began.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 for _name in LIBRARY_LOGGERS:
     logging.getLogger(_name).setLevel(logging.INFO)
