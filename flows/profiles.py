@@ -136,17 +136,16 @@ class RoundProfile(BaseModel):
 
 # CPU rounds hold out about one item per slice: 68 % intervals (z = 1) let 3 of 3 master a slice
 # and 0 of 3 mark it unsolved, where 95 % would need 9 of 9. A CPU round's SFT sees a few dozen
-# conversations: a few slices taught at a time get ~8 each, where twelve would get two.
+# conversations: three slices taught at a time get ~8 each, where twelve would get two. A floor of
+# 8 teacher groups a slice instead (`min_teacher_groups=8`: four slices of the default's 32 groups)
+# made round 1 worse, 0.17 against 0.25 on the 72 held-out items (docs/runs.md).
 CPU_CURRICULUM = CurriculumConfig(z=1.0, focus=3)
-# The default round's 32 groups teach as many unsolved slices as get 8 each: with a count of 3, round
-# 2 taught three at ~11 and deferred a fourth, which it then lost 0-7 to a uniform mix on 12 items.
-DEFAULT_CURRICULUM = CurriculumConfig(z=1.0, min_teacher_groups=8)
 
 PROFILES: dict[str, RoundProfile] = {
     # SmolLM2-135M on CPU: the slice a 135M model can learn in one round (look a product up, copy
     # its id and price) rather than arithmetic or 6+ tool calls, which it fails before and after.
     "default": RoundProfile(
-        curriculum_config=DEFAULT_CURRICULUM,
+        curriculum_config=CPU_CURRICULUM,
         groups=32,
         sft_batch_size=1,  # 4 conversations a step, one at a time: a quarter of the activation memory, no padding.
         sft_gradient_accumulation=4,
