@@ -69,8 +69,8 @@ class CurriculumConfig(BaseModel):
         default=None,
         ge=1,
         description="Groups each taught unsolved slice gets at least: only as many (easiest first, at least one) "
-        "as the budget left after the learnable slices can give this many (None: no floor). A count would teach "
-        "3 slices at ~11 groups and defer a 4th a round where 8 each teach all four.",
+        "as the budget left after the learnable slices can give this many (None: no floor). At 8 of the "
+        "default's 32 groups, round 1 taught four slices and scored 0.17 where `focus` 3 scored 0.25.",
     )
 
 
