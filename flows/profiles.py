@@ -135,7 +135,7 @@ class RoundProfile(BaseModel):
 
 
 # CPU rounds hold out about one item per slice: 68 % intervals (z = 1) let 3 of 3 master a slice
-# and 0 of 3 mark it unsolved, where 95 % would need 9 of 9. A CPU round's SFT sees a few dozen
+# and 0 of 3 mark it unsolved, where 95 % would need 9 of 9. A CPU round's SFT sees ~24
 # conversations: three slices taught at a time get ~8 each, where twelve would get two. A floor of
 # 8 teacher groups a slice instead (`min_teacher_groups=8`: four slices of the default's 32 groups)
 # made round 1 worse, 0.17 against 0.25 on the 72 held-out items (docs/runs.md).
