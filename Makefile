@@ -36,13 +36,18 @@ demo: install
 	$(VENV)/bin/flywheel chat smollm2 "What is the capital of France?"
 	$(VENV)/bin/flywheel round
 
-# The tests run under tcmalloc where it is installed, as the `flywheel` command does.
+# The tests run under tcmalloc where it is installed, as the `flywheel` command does, in two
+# pytest-xdist workers: one process kept 2 cores 111 % busy (it waits on servers and subprocesses).
+# A module stays on one worker, the real-model modules on the same one (tests/conftest.py), and
+# modules start in collection order (real-model first), not xdist's most-tests-first.
+XDIST := -n 2 --no-loadscope-reorder
+
 test: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m flows.fast_malloc $(PY) -m pytest
+	$(PY) -m flows.fast_malloc $(PY) -m pytest $(XDIST)
 
 test-fast: install
-	$(PY) -m flows.fast_malloc $(PY) -m pytest -m "not slow and not sweep"
+	$(PY) -m flows.fast_malloc $(PY) -m pytest $(XDIST) -m "not slow and not sweep"
 
 bench: install
 	$(PY) benchmarks/store_throughput.py

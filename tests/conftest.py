@@ -3,8 +3,11 @@ models, and a fake OpenAI-compatible server on 127.0.0.1 that plays a scripted m
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -20,8 +23,41 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+# Each pytest process (every xdist worker) gets its own Prefect home: two workers' ephemeral servers on
+# one SQLite database lock each other out, and the tests leave the user's runs alone.
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="flywheel-tests-prefect-")
+atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
 
 TEST_BUCKET = "flywheel-test"
+
+
+REAL_MODEL_MODULES = "test_smollm2_"  # The `slow` tests' modules: the real SmolLM2-135M model.
+
+
+def _real_model(nodeid: str) -> bool:
+    return Path(nodeid.split("::")[0]).name.startswith(REAL_MODEL_MODULES)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Real-model tests live in `test_smollm2_*.py` modules and run first: together they are the
+    suite's longest unit of work under `pytest -n 2`, and started last they would leave a worker idle."""
+    misplaced = [item.nodeid for item in items if item.get_closest_marker("slow") and not _real_model(item.nodeid)]
+    if misplaced:
+        raise pytest.UsageError(f"`slow` (real-model) tests belong in {REAL_MODEL_MODULES}*.py modules: {misplaced}")
+    items.sort(key=lambda item: not _real_model(item.nodeid))
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # Before xdist's own `--dist` schedulers.
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`pytest -n 2`: a module's tests go to one worker (its module-scoped fixtures run once), and the
+    real-model modules all to the same one (one GGUF conversion, one model server)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "real-model" if _real_model(nodeid) else nodeid.split("::")[0]
+
+    return ModuleScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

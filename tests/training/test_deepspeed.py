@@ -1,5 +1,6 @@
 """DeepSpeed ZeRO on CPU: the ZeRO engine runs at its stage, and 4 SFT steps match a plain run's losses
-(ZeRO-3-offload by default; ZeRO-2 and ZeRO-3 under `-m sweep`)."""
+(ZeRO-3, the profiles' default sharding; ZeRO-2 and ZeRO-3-offload under `-m sweep`: offload's CPU Adam
+is a JIT build that took a fresh CI machine ~75 s more)."""
 
 from __future__ import annotations
 
@@ -73,15 +74,13 @@ def _check_stage(tiny_model: Path, tmp_path: Path, plain: list[float], stage: st
     assert losses == pytest.approx(plain, rel=1e-4), stage
 
 
-def test_zero3_offload_runs_the_engine_and_matches_a_plain_run(
-    tiny_model: Path, tmp_path: Path, plain: list[float]
-) -> None:
-    """The stratified sample: stage 3 with optimizer offload exercises the most of ZeRO at once."""
-    _check_stage(tiny_model, tmp_path, plain, "zero3_offload", [3, True])
+def test_zero3_runs_the_engine_and_matches_a_plain_run(tiny_model: Path, tmp_path: Path, plain: list[float]) -> None:
+    """The stratified sample: stage 3, the sharding a multi-GPU round uses unless told otherwise."""
+    _check_stage(tiny_model, tmp_path, plain, "zero3", [3, False])
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize(("stage", "expected"), [("zero2", [2, False]), ("zero3", [3, False])])
+@pytest.mark.parametrize(("stage", "expected"), [("zero2", [2, False]), ("zero3_offload", [3, True])])
 def test_every_other_zero_stage_matches_a_plain_run(
     tiny_model: Path, tmp_path: Path, plain: list[float], stage: str, expected: list
 ) -> None:
