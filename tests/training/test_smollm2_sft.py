@@ -37,8 +37,8 @@ def _valid_tool_calls(model_dir: Path, prompts: list[list[dict]], tools: list[di
 
 
 @pytest.mark.slow
-# ~6.5 min alone on 2 AVX2 cores; beside the other `make test` worker's training it took 8.7 min once
-# and passed pytest's 15-minute net once. 4 steps at twice the rate left 0 of 5 calls valid.
+# ~6.5 min alone on 2 AVX2 cores; beside the other `make test` worker it took 8.7 and 14.7 min, and
+# once ran past pytest's 15-minute net. 4 steps at twice the rate left 0 of 5 calls valid.
 @pytest.mark.timeout(1800)
 def test_sft_teaches_smollm2_to_call_tools(model_store: ArtifactStore, smollm2_model: Path, tmp_path: Path) -> None:
     torch.set_num_threads(2)
