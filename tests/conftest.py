@@ -34,8 +34,12 @@ TEST_BUCKET = "flywheel-test"
 REAL_MODEL_MODULES = "test_smollm2_"  # The `slow` tests' modules: the real SmolLM2-135M model.
 
 
+def _module(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
 def _real_model(nodeid: str) -> bool:
-    return Path(nodeid.split("::")[0]).name.startswith(REAL_MODEL_MODULES)
+    return Path(_module(nodeid)).name.startswith(REAL_MODEL_MODULES)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -55,7 +59,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "real-model" if _real_model(nodeid) else nodeid.split("::")[0]
+            return "real-model" if _real_model(nodeid) else _module(nodeid)
 
     return ModuleScheduling(config, log)
 
