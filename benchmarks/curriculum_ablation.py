@@ -3,7 +3,7 @@ curriculum vs a uniform mix - judged on the slices round 1 left unmastered.
 
 Run (after `flywheel round` has finished round 1 in the store):
     .venv/bin/python benchmarks/curriculum_ablation.py [--store ./.flywheel] [--profile default]
-        [--mined-from STORE]
+        [--mined-from STORE] [--workdir DIR [--arm mined|uniform]]
 
 Each arm copies the store as it was after round 1 and runs round 2 through `run_round` (the plain
 library calls, no Prefect), with the same profile except `curriculum`: the same generation
@@ -16,7 +16,9 @@ weak slice (unsolved or learnable in round 1's curriculum) the held-out success 
 candidates, and the totals. Two held-out items a slice cannot tell the arms apart, so both
 candidates then answer a larger sample of the weak slices from the same eval seed stream
 (`--weak-items` a slice, the same items for both) and the gate's paired bootstrap gives P(mined
-better) on it.
+better) on it. `--workdir` keeps each arm's store there, and an arm that finished (with its larger
+sample) is reused: two processes with `--arm mined` and `--arm uniform` run the arms at once (a
+round keeps 2 cores only ~1.4 busy), and a last run without `--arm` prints both.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import json
 import shutil
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 from data import ArtifactStore
@@ -34,6 +37,8 @@ from flows.flywheel import completed_rounds, plain_stage, plan_round, planned_gr
 from flows.profiles import PROFILES, RoundProfile
 from flows.stages import STAGES
 from training.models import resolve_model
+
+ARMS = ("mined", "uniform")
 
 
 def weak_slices(store: ArtifactStore) -> set[str]:
@@ -72,12 +77,32 @@ def arm_profile(source: ArtifactStore, p: RoundProfile, arm: str) -> RoundProfil
 
 
 def run_arm(source: Path, workdir: Path, p: RoundProfile) -> tuple[ArtifactStore, str]:
-    """Round 2 on a copy of the round-1 store; the candidate's agentic eval id."""
-    copy = workdir / p.curriculum
+    """Round 2 on a copy of the round-1 store in `workdir`; the candidate's agentic eval id. A copy
+    whose round 2 finished from this round 1 with this very profile is reused; any other copy is
+    started again (and the larger sample of its candidate dropped)."""
+    copy, record = workdir / p.curriculum, workdir / f"{p.curriculum}-round.json"
+    wanted = json.dumps(
+        {"round_1": ArtifactStore(source).resolve("weaknesses/weaknesses-r1"), "profile": p.model_dump()}
+    )
+    if copy.exists() and record.exists() and record.read_text() == wanted:
+        store = ArtifactStore(copy)
+        if store.try_resolve("report/round-2") is not None:
+            print(f"{p.curriculum} arm: round 2 already finished in {copy}")
+            return store, store.resolve("eval/agentic-r2")
+    if copy.exists():
+        print(f"{p.curriculum} arm: {copy} holds no finished round 2 of this round 1 and profile; starting again")
+        shutil.rmtree(copy)
+    shutil.rmtree(weak_eval_folder(workdir, p.curriculum), ignore_errors=True)
     shutil.copytree(source, copy)
+    record.write_text(wanted)
     store = ArtifactStore(copy)
     run_round(store, 2, p, plain_stage(store, p))
     return store, store.resolve("eval/agentic-r2")
+
+
+def weak_eval_folder(workdir: Path, arm: str) -> Path:
+    """The store of an arm's larger-sample eval: its own, as the arms may run at once."""
+    return workdir / f"weak-{arm}"
 
 
 def finished_mined_arm(source: ArtifactStore, path: Path, profile: str) -> tuple[ArtifactStore, str]:
@@ -108,12 +133,15 @@ def weak_profile(p: RoundProfile, weak: set[str], per_slice: int) -> RoundProfil
     return sample.model_copy(update={"eval_size": size})
 
 
-def weak_slice_eval(store: ArtifactStore, eval_store: ArtifactStore, p: RoundProfile, arm: str) -> str:
-    """The arm's round-2 candidate evaluated with profile `p` into `eval_store`; the eval's id."""
+def weak_slice_eval(store: ArtifactStore, eval_store: ArtifactStore, p: RoundProfile, name: str) -> str:
+    """The arm's round-2 candidate evaluated with profile `p` into `eval_store` as `eval/<name>`
+    (reused when there); the eval's id."""
+    if (done := eval_store.try_resolve(f"eval/{name}")) is not None:
+        return done
     candidate = store.read_json("gate/gate-r2", "decision.json")["candidate"]
     model_dir = resolve_model(candidate, store)
     params = STAGES["evaluate"].params(
-        store_url=eval_store.root_url, profile=p, round_no=2, model=str(model_dir), name=f"weak-{arm}"
+        store_url=eval_store.root_url, profile=p, round_no=2, model=str(model_dir), name=name
     )
     return STAGES["evaluate"].work(params).id
 
@@ -124,32 +152,41 @@ def main() -> None:
     parser.add_argument("--profile", default="default", choices=sorted(PROFILES))
     parser.add_argument("--mined-from", type=Path, help="a store whose round 2 followed this round 1 (mined)")
     parser.add_argument("--weak-items", type=int, default=8, help="items a weak slice in the larger sample (0: none)")
+    parser.add_argument("--workdir", type=Path, help="keep the arms' stores here and reuse finished ones")
+    parser.add_argument("--arm", choices=ARMS, help="run only this arm (with --workdir), print nothing")
     args = parser.parse_args()
+    if args.arm and not args.workdir:
+        parser.error("--arm needs --workdir: the other arm's process and the last run find it there")
     source = Path(args.store)
     source_store = ArtifactStore(source)
     if completed_rounds(source_store) != 1:
         parser.error(f"{source} must hold exactly round 1 (a report of round 1 and none of round 2)")
     weak = weak_slices(source_store)
+    sample = weak_profile(PROFILES[args.profile], weak, args.weak_items) if args.weak_items else None
     results, overall, larger = {}, {}, {}
-    with tempfile.TemporaryDirectory(prefix="ablation-") as tmp:
-        eval_store = ArtifactStore(Path(tmp, "weak-evals"))
-        sample = weak_profile(PROFILES[args.profile], weak, args.weak_items) if args.weak_items else None
-        for arm in ("mined", "uniform"):
+    workdir = tempfile.TemporaryDirectory(prefix="ablation-") if args.workdir is None else nullcontext(args.workdir)
+    with workdir as folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        for arm in [args.arm] if args.arm else ARMS:
             p = arm_profile(source_store, PROFILES[args.profile], arm)
             if arm == "uniform":
                 print(f"uniform arm: {p.groups} groups, {p.sft_steps} SFT steps (the mined plan's)")
             if arm == "mined" and args.mined_from:
                 store, eval_id = finished_mined_arm(source_store, args.mined_from, args.profile)
             else:
-                store, eval_id = run_arm(source, Path(tmp), p)
+                store, eval_id = run_arm(source, Path(folder), p)
             results[arm] = slice_success(store, eval_id, weak)
             overall[arm] = store.manifest(eval_id).metrics
             if sample is not None:
-                larger[arm] = weak_slice_eval(store, eval_store, sample, arm)
-        # Inside the temporary directory: the larger sample's evals live there.
+                eval_store = ArtifactStore(weak_eval_folder(Path(folder), arm))
+                larger[arm] = (eval_store, weak_slice_eval(store, eval_store, sample, f"weak{args.weak_items}"))
+        if args.arm:
+            print(f"{args.arm} arm finished in {folder}; run again without --arm to print both arms")
+            return
+        # Inside the workdir: a temporary one holds the arms' stores.
         print_weak_slices(results, overall, weak, args.profile)
         if larger:
-            print_larger_sample(eval_store, larger, weak)
+            print_larger_sample(larger, weak)
 
 
 def print_slice_rows(cells: dict[str, dict[str, tuple[int, int]]], weak: set[str]) -> dict[str, tuple[int, int]]:
@@ -174,14 +211,16 @@ def print_weak_slices(
     print(f"curriculum - uniform: {rates['mined'] - rates['uniform']:+.2f} (goal: > 0)")
 
 
-def print_larger_sample(store: ArtifactStore, evals: dict[str, str], weak: set[str]) -> None:
-    """Per weak slice and in total, both arms on the larger sample; the paired difference and its
-    bootstrap P(mined better), as the gate computes them."""
+def print_larger_sample(evals: dict[str, tuple[ArtifactStore, str]], weak: set[str]) -> None:
+    """Per weak slice and in total, both arms on the larger sample (each arm's store and eval id); the
+    paired difference and its bootstrap P(mined better), as the gate computes them."""
     print("larger sample of the weak slices (the same items for both arms):")
-    totals = print_slice_rows({arm: slice_success(store, eval_id, weak) for arm, eval_id in evals.items()}, weak)
+    totals = print_slice_rows(
+        {arm: slice_success(store, eval_id, weak) for arm, (store, eval_id) in evals.items()}, weak
+    )
     cells = [f"{w}/{n}" for w, n in (totals[arm] for arm in ("mined", "uniform"))]
     print(f"{'all weak slices':<45} {cells[0]:>8} {cells[1]:>8}")
-    mined, uniform = (paired_outcomes(store, evals[arm]) for arm in ("mined", "uniform"))
+    mined, uniform = (paired_outcomes(*evals[arm]) for arm in ARMS)
     verdict = decide(mined, uniform)
     print(
         f"mined - uniform on {verdict['n_shared']} paired items: {verdict['primary_delta']:+.3f}, "

@@ -152,10 +152,10 @@ def test_the_ablation_prints_both_arms_on_the_larger_sample_with_the_paired_boot
         return store.put("eval", "weak", {"samples/all.jsonl": "".join(json.dumps(r) + "\n" for r in rows)}).id
 
     evals = {
-        "mined": eval_of({price: [True, True], bug: [True, False]}),
-        "uniform": eval_of({price: [False, True], bug: [False, False]}),
+        "mined": (store, eval_of({price: [True, True], bug: [True, False]})),
+        "uniform": (store, eval_of({price: [False, True], bug: [False, False]})),
     }
-    print_larger_sample(store, evals, weak)
+    print_larger_sample(evals, weak)
     out = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
     assert "web_navigation/lookup_price/easy 2/2 1/2" in out and "swe_bench/off_by_one/easy 1/2 0/2" in out
     assert "all weak slices 3/4 1/4" in out
