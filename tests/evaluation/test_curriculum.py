@@ -133,6 +133,41 @@ def test_the_ablations_uniform_arm_gets_the_mined_plans_budget(tmp_path) -> None
     assert (mined.curriculum, mined.groups, mined.sft_steps) == ("mined", 12, 4)
 
 
+def test_the_ablation_reuses_only_an_arm_that_finished_from_the_same_round_1_and_profile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks import curriculum_ablation as ablation
+    from flows.profiles import PROFILES
+
+    source, workdir = tmp_path / "round-1", tmp_path / "work"
+    ArtifactStore(source).put("weaknesses", "weaknesses-r1", {"curriculum.json": "{}"})
+    workdir.mkdir()
+    rounds: list[int] = []
+
+    def round_2(store: ArtifactStore, n: int, p: object, stage: object, finish: bool = True) -> None:
+        rounds.append(n)
+        store.put("eval", "agentic-r2", {"metrics.json": json.dumps({"round": len(rounds)})})
+        if not finish:
+            raise KeyboardInterrupt  # Cut off before the report.
+        store.put("report", "round-2", {"report.md": "round 2"})
+
+    monkeypatch.setattr(ablation, "run_round", round_2)
+    p = PROFILES["tiny"].model_copy(update={"curriculum": "uniform"})
+    first = ablation.run_arm(source, workdir, p)[1]
+    assert ablation.run_arm(source, workdir, p)[1] == first and len(rounds) == 1  # Finished: reused.
+    (workdir / "weak-uniform").mkdir()  # The larger sample of that candidate.
+    assert ablation.run_arm(source, workdir, p.model_copy(update={"sft_steps": 3}))[1] != first  # Another budget.
+    assert len(rounds) == 2 and not (workdir / "weak-uniform").exists()  # Its old candidate's sample is gone.
+    monkeypatch.setattr(ablation, "run_round", lambda *args: round_2(*args, finish=False))
+    with pytest.raises(KeyboardInterrupt):
+        ablation.run_arm(source, workdir, p)
+    monkeypatch.setattr(ablation, "run_round", round_2)
+    ablation.run_arm(source, workdir, p)  # The cut-off copy is started again, not reused.
+    ArtifactStore(source).put("weaknesses", "weaknesses-r1", {"curriculum.json": '{"slices": {}}'})  # Another round 1.
+    ablation.run_arm(source, workdir, p)
+    assert len(rounds) == 5
+
+
 def test_the_ablation_prints_both_arms_on_the_larger_sample_with_the_paired_bootstrap(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
