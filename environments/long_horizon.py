@@ -17,6 +17,7 @@ from environments.rewards import efficiency
 from environments.task_env import TaskEnv
 from environments.tasks import long_horizon_tasks as tasks
 from environments.tool_context import ToolContext
+from environments.verify_calls import checks_from, run_checks
 from environments.verify_tests import fresh_verify_dir, run_pytest
 
 
@@ -46,7 +47,8 @@ class LongHorizonEnv(TaskEnv):
 
 
 def milestone_score(item: dict[str, Any], ctx: ToolContext) -> float:
-    """Sum of the milestones that hold in a fresh checkout of HEAD, judged by files and junit reports.
+    """Sum of the milestones that hold in a fresh checkout of HEAD, judged by files, calls of the
+    committed function in a child process, and junit reports of the committed tests.
 
     Runs after the agent's processes are dead. Git runs with the repo's fsmonitor and hooks
     switched off, so the agent's `.git/config` cannot run code that fakes its output.
@@ -57,17 +59,18 @@ def milestone_score(item: dict[str, Any], ctx: ToolContext) -> float:
     tracked = ctx.terminal(f"{git} ls-tree -r --name-only HEAD")
     if clean["exit_code"] != 0 or tracked["exit_code"] != 0:
         return 0.0  # No real repository or no commit: nothing counts.
-    fresh_verify_dir(ctx)
-    if ctx.terminal(f"mkdir -p .verify/head && {git} archive HEAD | tar -x -C .verify/head")["exit_code"] != 0:
+    verify_dir = fresh_verify_dir(ctx)
+    if verify_dir is None:
         return 0.0
+    head = f"{verify_dir}/head"
+    if ctx.terminal(f"mkdir -p {head} && {git} archive HEAD | tar -x -C {head}")["exit_code"] != 0:
+        return 0.0
+    imports = f"from {answer['name']}.core import {answer['function']}"
     checks = {
-        "pyproject": lambda: tasks.pyproject_ok(_read(ctx, ".verify/head/pyproject.toml"), answer),
-        "readme": lambda: tasks.readme_ok(_read(ctx, ".verify/head/README.md"), answer),
-        "function": lambda: _hidden_function_tests(ctx, answer),
-        "tests": lambda: (
-            answer["function"] in _read(ctx, ".verify/head/tests/test_core.py")
-            and run_pytest(ctx, "tests", cwd=".verify/head", timeout=60).all_passed()
-        ),
+        "pyproject": lambda: tasks.pyproject_ok(_read(ctx, f"{head}/pyproject.toml"), answer),
+        "readme": lambda: tasks.readme_ok(_read(ctx, f"{head}/README.md"), answer),
+        "function": lambda: run_checks(ctx, imports, checks_from(answer["checks"]), verify_dir, head, timeout=60),
+        "tests": lambda: _tests_catch_a_gutted_function(ctx, answer, verify_dir),
     }
     score = sum(tasks.MILESTONES[name] for name, check in checks.items() if check())
     committed = set(tracked["output"].split())
@@ -76,10 +79,26 @@ def milestone_score(item: dict[str, Any], ctx: ToolContext) -> float:
     return round(score, 6)
 
 
-def _hidden_function_tests(ctx: ToolContext, answer: dict[str, Any]) -> bool:
-    ctx.write_file(".verify/test_function.py", tasks.function_tests(answer))
-    outcomes = run_pytest(ctx, "../test_function.py", cwd=".verify/head", timeout=60)
-    return outcomes.all_passed(expected=len(answer["checks"]))
+def _tests_catch_a_gutted_function(ctx: ToolContext, answer: dict[str, Any], verify_dir: str) -> bool:
+    """The committed tests name the function, pass on the committed code, and fail on a copy whose
+    function returns None: tests that pass whatever the code does (or that patch pytest) earn nothing."""
+    head, gutted = f"{verify_dir}/head", f"{verify_dir}/gutted"
+    name, function = answer["name"], answer["function"]
+    if function not in _read(ctx, f"{head}/tests/test_core.py"):
+        return False
+    if not run_pytest(ctx, "tests", verify_dir, cwd=head, timeout=60).all_passed():
+        return False
+    core = f"{name}/core.py"
+    if ctx.terminal(f"cp -r {head} {gutted}")["exit_code"] != 0:
+        return False
+    try:  # The later definition wins: the module's function now returns None.
+        ctx.write_file(
+            f"{gutted}/{core}", _read(ctx, f"{head}/{core}") + f"\n\ndef {function}(*a, **k):\n    return None\n"
+        )
+    except (OSError, AgentError):
+        return False  # The agent committed a link or a folder as core.py.
+    outcomes = run_pytest(ctx, "tests", verify_dir, cwd=gutted, timeout=60)
+    return bool(outcomes.results) and not outcomes.all_passed()
 
 
 def _read(ctx: ToolContext, path: str) -> str:

@@ -26,6 +26,7 @@ from environments.policies import call, final
 from environments.task_env import TaskEnv
 from environments.tasks import swe_tasks as tasks
 from environments.tool_context import ToolContext
+from environments.verify_calls import checks_from, run_checks
 from environments.verify_tests import fresh_verify_dir, run_pytest
 
 
@@ -56,19 +57,21 @@ class SWEBenchEnv(TaskEnv):
         self.index = 0
 
     async def verify(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> bool:
-        """Every hidden test must be reported passed in pytest's junit report (never the exit code)."""
+        """Every hidden check holds: generated tasks call the package's functions in a child process
+        (`verify_calls`); a real instance's named tests must be reported passed in pytest's junit
+        report (never the exit code)."""
         answer = item["answer"]
-        fresh_verify_dir(ctx)
+        verify_dir = fresh_verify_dir(ctx)
+        if verify_dir is None:
+            return False
         if "test_patch" in answer:  # A real instance: apply the hidden tests, run the named ones.
-            ctx.write_file(".verify/test.patch", answer["test_patch"])
-            if ctx.terminal("git apply .verify/test.patch")["exit_code"] != 0:
+            ctx.write_file(f"{verify_dir}/test.patch", answer["test_patch"])
+            if ctx.terminal(f"git apply {verify_dir}/test.patch")["exit_code"] != 0:
                 return False
             node_ids = answer["FAIL_TO_PASS"] + answer["PASS_TO_PASS"]
-            outcomes = run_pytest(ctx, " ".join(shlex.quote(n) for n in node_ids), timeout=120)
+            outcomes = run_pytest(ctx, " ".join(shlex.quote(n) for n in node_ids), verify_dir, timeout=120)
             return outcomes.all_passed(expected=len(set(node_ids)))
-        ctx.write_file(".verify/test_hidden.py", answer["hidden_tests"])
-        outcomes = run_pytest(ctx, ".verify/test_hidden.py", timeout=120)
-        return outcomes.all_passed(expected=answer["hidden_tests"].count("\ndef test_"))
+        return run_checks(ctx, answer["imports"], checks_from(answer["checks"]), verify_dir, ".", timeout=120)
 
 
 class _ListStream:

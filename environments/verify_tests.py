@@ -2,21 +2,31 @@
 
 A process that imports the agent's code can end however it likes (`atexit.register(os._exit, 0)`
 turns any failure into exit 0), so verifiers judge pytest's junit XML instead: every expected
-test must be reported, and every one must have passed. The report goes to a fresh folder with
-an unguessable name, written by a command that runs after the agent's processes are dead (each
-sandbox command lives in its own PID namespace), and is read back through the sandbox's file
-access. An agent that knows this protocol could still forge a report from inside the test
-process; a generic exit-code trick cannot.
+test must be reported, and every one must have passed. Each verification gets a folder of its own
+with an unguessable name (the agent cannot have planted files in it or made it unwritable); the
+report is written by a command that runs after the agent's processes are dead (each sandbox
+command lives in its own PID namespace) and is read back through the sandbox's file access.
+Inside the test process the agent's code can still patch pytest itself, so where a task's checks
+are calls of the agent's functions, `verify_calls` judges them instead; pytest is left for the
+agent's own tests and real SWE-bench instances.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import secrets
 import shlex
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
 from environments.tool_context import ToolContext
+
+logger = logging.getLogger(__name__)
+
+# Why writing the verifier's own files can fail when the agent made it so: its workspace is read-only,
+# full, or holds something else under the path. Any other error is the sandbox's (an infra failure).
+_AGENT_MADE = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EEXIST, errno.ENOTDIR, errno.EISDIR}
 
 
 @dataclass
@@ -32,21 +42,30 @@ class JunitOutcomes:
         return all(self.results.values())
 
 
-def fresh_verify_dir(ctx: ToolContext) -> None:
-    """Replace whatever the agent left in `.verify/` with our own pytest.ini."""
-    ctx.terminal("rm -rf .verify")
-    ctx.write_file(".verify/pytest.ini", "[pytest]\n")
+def fresh_verify_dir(ctx: ToolContext) -> str | None:
+    """A new folder for this verification holding our own pytest.ini (its path in the workspace);
+    None when the agent left the workspace so that it cannot be written (the task is not done: an
+    agent must not turn its failure into an infra failure, which would drop it from the score)."""
+    path = f".verify-{secrets.token_hex(8)}"
+    try:
+        ctx.write_file(f"{path}/pytest.ini", "[pytest]\n")
+    except OSError as err:
+        if err.errno not in _AGENT_MADE:
+            raise
+        logger.info("%s: the workspace takes no verification files (%s): not completed", ctx.task_id, err)
+        return None
+    return path
 
 
-def run_pytest(ctx: ToolContext, targets: str, cwd: str = ".", timeout: float = 120) -> JunitOutcomes:
+def run_pytest(ctx: ToolContext, targets: str, verify_dir: str, cwd: str = ".", timeout: float = 120) -> JunitOutcomes:
     """Run pytest on `targets` (shell words, relative to `cwd`) and parse its junit report.
 
-    Our own ini file and rootdir, no conftest, no plugins, an isolated interpreter: nothing the
-    agent wrote configures the run. `cwd` (a workspace folder) is the import root.
+    Our own ini file (in `verify_dir`, from `fresh_verify_dir`) and rootdir, no conftest, no
+    plugins, an isolated interpreter: nothing the agent wrote configures the run. `cwd` (a
+    workspace folder) is the import root.
     """
-    verify = f"{ctx.workspace}/.verify"
-    report = f".verify/report-{secrets.token_hex(8)}/junit.xml"
-    ctx.terminal(f"mkdir -p {report.rsplit('/', 1)[0]}")
+    verify = f"{ctx.workspace}/{verify_dir}"
+    report = f"{verify_dir}/report-{secrets.token_hex(8)}/junit.xml"
     command = (
         f"cd {shlex.quote(cwd)} && python -I -m pytest -q -p no:cacheprovider --noconftest -c {verify}/pytest.ini "
         f"--rootdir={verify} -o pythonpath=$PWD --junitxml={ctx.workspace}/{report} {targets}"

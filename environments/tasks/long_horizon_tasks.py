@@ -154,10 +154,3 @@ def pyproject_ok(text: str, answer: dict[str, Any]) -> bool:
 def readme_ok(text: str, answer: dict[str, Any]) -> bool:
     """The committed README names the project and its function."""
     return answer["name"] in text and answer["function"] in text
-
-
-def function_tests(answer: dict[str, Any]) -> str:
-    """Hidden pytest file: one test per check of the committed function."""
-    name, function = answer["name"], answer["function"]
-    body = "".join(f"\n\ndef test_check_{i}():\n    assert {check}\n" for i, check in enumerate(answer["checks"]))
-    return f"from {name}.core import {function}\n{body}"

@@ -1,9 +1,10 @@
 """Task family for `SWEBenchEnv`: a small generated Python package with one injected bug.
 
-The agent sees the package, a visible test file and an issue text. The verifier copies hidden
-tests in after the episode and runs them with `python -I -m pytest --noconftest -c /dev/null`,
-so files the agent planted (conftest.py, pytest.ini, a shadowing pytest.py, deleted or edited
-visible tests) change nothing. Hidden tests cover every function, so gutting code fails too.
+The agent sees the package, a visible test file and an issue text. After the episode the verifier
+calls every function of the package on hidden inputs in a child process and compares the results
+outside it (`verify_calls`), so files the agent planted (conftest.py, pytest.ini, a shadowing
+pytest.py, deleted or edited visible tests, a package that patches pytest) change nothing. The
+hidden checks cover every function, so gutting code fails too.
 The oracle fixes the bug with a targeted `patch` of the changed line, the same edit at every
 difficulty, rather than rewriting a module that holds up to six functions.
 """
@@ -103,9 +104,6 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
     imports = "\n".join(f"from {package}.{modules[n]} import {n}" for n in names)
     visible = [line for n in others for line in _FUNCTIONS[n][2][:1]]
     files["tests/test_visible.py"] = f"{imports}\n\n\ndef test_examples():\n" + "".join(f"    {t}\n" for t in visible)
-    hidden = f"{imports}\n\n\n" + "".join(
-        f"def test_{n}():\n" + "".join(f"    {t}\n" for t in _FUNCTIONS[n][2]) + "\n" for n in names
-    )
     buggy_path = f"{package}/{modules[buggy]}.py"
     return {
         "prompt": (
@@ -114,7 +112,12 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
             "`python -m pytest -q tests`."
         ),
         "files": files,
-        "answer": {"package": package, "hidden_tests": hidden, "buggy_file": buggy_path},
+        "answer": {
+            "package": package,
+            "imports": imports,
+            "checks": [check for n in names for check in _FUNCTIONS[n][2]],
+            "buggy_file": buggy_path,
+        },
         "oracle": [
             call("list_files", path="."),
             call("read_file", path=buggy_path),

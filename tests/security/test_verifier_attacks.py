@@ -78,6 +78,70 @@ def test_long_horizon_stub_project_with_exit_hijack_earns_no_function_or_test_cr
     assert _rewards(LongHorizonEnv, tiny_model, stub) == [0.0, 0.0, 0.0]
 
 
+STUB_PYTEST = (
+    "import sys\n"
+    "if '_pytest.python' in sys.modules:\n"
+    "    sys.modules['_pytest.python'].Function.runtest = lambda self: None\n"
+)
+ALWAYS_EQUAL = "class _Any:\n    def __eq__(self, other):\n        return True\n\n\n"
+
+
+def test_swe_package_that_stubs_pytests_runtest_scores_zero(tiny_model: Path) -> None:
+    """One line in the package makes every test in a pytest process that imports it pass."""
+
+    def stub(item: dict[str, Any]) -> list[dict[str, Any]]:
+        init = f"{item['answer']['package']}/__init__.py"
+        return [call("write_file", path=init, content=STUB_PYTEST), final("Fixed.")]
+
+    assert _rewards(SWEBenchEnv, tiny_model, stub) == [0.0, 0.0, 0.0]
+
+
+def test_swe_functions_returning_an_always_equal_object_score_zero(tiny_model: Path) -> None:
+    def always_equal(item: dict[str, Any]) -> list[dict[str, Any]]:
+        wrap = (
+            "for _n in [n for n in list(globals()) if not n.startswith('_')]:\n"
+            "    globals()[_n] = lambda *a, **k: _Any()\n"
+        )
+        path = item["answer"]["buggy_file"]
+        return [
+            call("write_file", path=path, content=item["files"][path] + "\n\n" + ALWAYS_EQUAL + wrap),
+            final("Fixed."),
+        ]
+
+    assert _rewards(SWEBenchEnv, tiny_model, always_equal) == [0.0, 0.0, 0.0]
+
+
+def test_swe_workspace_made_unwritable_scores_zero_not_an_infra_failure(tiny_model: Path) -> None:
+    """A read-only workspace stops the verifier writing its files: the task is not done (an infra
+    failure would drop the rollout from the score instead)."""
+    unwritable = [call("terminal", command="chmod 555 ."), final("Fixed.")]
+    assert _rewards(SWEBenchEnv, tiny_model, lambda item: unwritable) == [0.0, 0.0, 0.0]
+
+
+def test_long_horizon_always_equal_function_and_empty_tests_earn_only_the_honest_milestones(tiny_model: Path) -> None:
+    """An always-equal object passes `==` checks; a test file that names the function and asserts
+    nothing passes. Both earn what a function returning None with the same tests earns."""
+
+    def project(core: str) -> Policy:
+        def policy(item: dict[str, Any]) -> list[dict[str, Any]]:
+            name, function = item["answer"]["name"], item["answer"]["function"]
+            files = {f"{name}/core.py": core.format(function=function), "tests/test_core.py": f"# {function}\n"}
+            files["tests/test_core.py"] += "def test_ok():\n    pass\n"
+            return [
+                {**a, "arguments": {**a["arguments"], "content": files[a["arguments"]["path"]]}}
+                if a.get("tool") == "write_file" and a["arguments"]["path"] in files
+                else a
+                for a in item["oracle"]
+            ]
+
+        return policy
+
+    hack = _rewards(LongHorizonEnv, tiny_model, project(ALWAYS_EQUAL + "def {function}(*a, **k):\n    return _Any()\n"))
+    gutted = _rewards(LongHorizonEnv, tiny_model, project("def {function}(*a, **k):\n    return None\n"))
+    oracle = _rewards(LongHorizonEnv, tiny_model, lambda item: item["oracle"])
+    assert hack == gutted and all(h < o for h, o in zip(hack, oracle, strict=True))
+
+
 def test_long_horizon_fsmonitor_hook_cannot_fake_a_clean_tree(tiny_model: Path) -> None:
     """A `.git/config` fsmonitor runs the agent's command inside `git status`; the verifier switches it off."""
 
