@@ -7,7 +7,8 @@ everything it started (`environments/sandbox_jail.py`); the workspace is a tmpfs
 inode caps, and a cgroup caps memory and processes where the machine has one. File tools open
 paths with `openat2(RESOLVE_BENEATH)` as the sandbox uid (`environments/sandbox_files.py`).
 Without that, commands get rlimits, a timeout and a process-group kill only, and a warning
-says so once (`isolation_report()` puts it in evaluation metadata).
+says so once (`isolation_report()` puts it in evaluation metadata) - or, where
+`FLYWHEEL_REQUIRE_ISOLATION=1` (the production pools set it), no sandbox starts at all.
 
 A docker or modal backend implements the same `Sandbox` protocol.
 """
@@ -126,6 +127,16 @@ def isolation_report() -> dict[str, object]:
     }
 
 
+def isolation_required() -> bool:
+    """`FLYWHEEL_REQUIRE_ISOLATION=1`: refuse to run agent commands unisolated (a pod that lost
+    bubblewrap or its namespaces fails loudly instead of handing the agent the host)."""
+    return os.environ.get("FLYWHEEL_REQUIRE_ISOLATION") == "1"
+
+
+class SandboxUnavailable(RuntimeError):
+    """Isolation is required here but this machine cannot provide it."""
+
+
 def _warn_once() -> None:
     global _WARNED
     if not _WARNED:
@@ -141,6 +152,11 @@ class LocalSandbox:
         self.limits = limits or SandboxLimits()
         self.isolated = isolation_available()
         if not self.isolated:
+            if isolation_required():
+                raise SandboxUnavailable(
+                    f"FLYWHEEL_REQUIRE_ISOLATION=1, but the sandbox cannot be isolated here "
+                    f"({isolation_report()['note']}): run as root on Linux with bubblewrap, or unset it for development"
+                )
             _warn_once()
         base = root or default_sandbox_root()
         base.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,7 @@ def test_h100_job_template_gives_gpus_node_selector_tolerations_shm_and_cache() 
     assert mounts == {"/dev/shm": "dshm", "/cache": "model-cache"}
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["FLYWHEEL_CACHE"] == "/cache" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["FLYWHEEL_REQUIRE_ISOLATION"] == "1"  # A pod without bubblewrap refuses agent commands.
 
 
 def test_h100_job_template_rejects_a_job_that_kubernetes_workers_cannot_run() -> None:
@@ -91,3 +92,4 @@ def test_the_cluster_sft_deployment_renders_a_valid_eight_gpu_job() -> None:
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     env = {e["name"] for e in container["env"]}
     assert {"FLYWHEEL_CACHE", "HF_HUB_OFFLINE", "FLYWHEEL_STORE", "PREFECT_LOGGING_EXTRA_LOGGERS"} <= env
+    assert "FLYWHEEL_REQUIRE_ISOLATION" in env

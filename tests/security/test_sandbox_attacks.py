@@ -365,6 +365,7 @@ def test_total_memory_cap_holds_across_processes() -> None:
 def test_unisolated_sandbox_says_so_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(sandbox_module, "_ISOLATION", False)
     monkeypatch.setattr(sandbox_module, "_WARNED", False)
+    monkeypatch.delenv("FLYWHEEL_REQUIRE_ISOLATION", raising=False)  # Development: allowed, with a warning.
     with caplog.at_level(logging.WARNING, logger="environments.sandbox"):
         boxes = [LocalSandbox("plain") for _ in range(3)]
     for b in boxes:
@@ -373,3 +374,13 @@ def test_unisolated_sandbox_says_so_once(monkeypatch: pytest.MonkeyPatch, caplog
     warnings = [r for r in caplog.records if "NOT isolated" in r.getMessage()]
     assert len(warnings) == 1
     assert isolation_report()["isolated"] is False and "rlimits" in isolation_report()["backend"]
+
+
+def test_where_isolation_is_required_an_unisolated_sandbox_refuses_to_start(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(sandbox_module, "_ISOLATION", False)
+    monkeypatch.setenv("FLYWHEEL_REQUIRE_ISOLATION", "1")
+    with pytest.raises(sandbox_module.SandboxUnavailable, match="FLYWHEEL_REQUIRE_ISOLATION=1.*bubblewrap"):
+        LocalSandbox("refused", root=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # No workspace left behind.
