@@ -8,6 +8,9 @@ Reward = committed milestones (partial credit) x efficiency of the step count.
 
 from __future__ import annotations
 
+import ast
+import random
+import secrets
 from typing import Any, ClassVar
 
 from environments.agent_loop import AgentResult
@@ -18,7 +21,7 @@ from environments.task_env import TaskEnv
 from environments.tasks import long_horizon_tasks as tasks
 from environments.tool_context import ToolContext
 from environments.verify_calls import checks_from, run_checks
-from environments.verify_tests import fresh_verify_dir, run_pytest
+from environments.verify_tests import fresh_verify_dir, run_pytest, write_verifier_file
 
 
 class LongHorizonEnvConfig(HermesAgentEnvConfig):
@@ -70,7 +73,7 @@ def milestone_score(item: dict[str, Any], ctx: ToolContext) -> float:
         "pyproject": lambda: tasks.pyproject_ok(_read(ctx, f"{head}/pyproject.toml"), answer),
         "readme": lambda: tasks.readme_ok(_read(ctx, f"{head}/README.md"), answer),
         "function": lambda: run_checks(ctx, imports, checks_from(answer["checks"]), verify_dir, head, timeout=60),
-        "tests": lambda: _tests_catch_a_gutted_function(ctx, answer, verify_dir),
+        "tests": lambda: _tests_pin_the_function(ctx, answer, verify_dir),
     }
     score = sum(tasks.MILESTONES[name] for name, check in checks.items() if check())
     committed = set(tracked["output"].split())
@@ -79,26 +82,62 @@ def milestone_score(item: dict[str, Any], ctx: ToolContext) -> float:
     return round(score, 6)
 
 
-def _tests_catch_a_gutted_function(ctx: ToolContext, answer: dict[str, Any], verify_dir: str) -> bool:
-    """The committed tests name the function, pass on the committed code, and fail on a copy whose
-    function returns None: tests that pass whatever the code does (or that patch pytest) earn nothing."""
-    head, gutted = f"{verify_dir}/head", f"{verify_dir}/gutted"
+def _tests_pin_the_function(ctx: ToolContext, answer: dict[str, Any], verify_dir: str) -> bool:
+    """The committed tests name the function, pass on the committed code and on the task's reference
+    function, and fail on a mutant that returns a wrong value of the right type: tests that pass
+    whatever the function does (or patch pytest) earn nothing. Each run gets its own copy of the
+    tree under a random name, in a random order, so a test cannot tell the runs apart by place or turn."""
+    head = f"{verify_dir}/head"
     name, function = answer["name"], answer["function"]
     if function not in _read(ctx, f"{head}/tests/test_core.py"):
         return False
-    if not run_pytest(ctx, "tests", verify_dir, cwd=head, timeout=60).all_passed():
-        return False
-    core = f"{name}/core.py"
-    if ctx.terminal(f"cp -r {head} {gutted}")["exit_code"] != 0:
-        return False
-    try:  # The later definition wins: the module's function now returns None.
-        ctx.write_file(
-            f"{gutted}/{core}", _read(ctx, f"{head}/{core}") + f"\n\ndef {function}(*a, **k):\n    return None\n"
-        )
-    except (OSError, AgentError):
-        return False  # The agent committed a link or a folder as core.py.
-    outcomes = run_pytest(ctx, "tests", verify_dir, cwd=gutted, timeout=60)
-    return bool(outcomes.results) and not outcomes.all_passed()
+    core = _read(ctx, f"{head}/{name}/core.py")
+    variants = {
+        "committed": None,
+        "reference": answer["reference"],
+        "mutant": mutant_source(answer["reference"], function),
+    }
+    order = list(variants)
+    random.SystemRandom().shuffle(order)
+    for variant in order:
+        copy = f"{verify_dir}/{secrets.token_hex(8)}"
+        if ctx.terminal(f"cp -r {head} {copy}")["exit_code"] != 0:
+            return False
+        replaced = variants[variant]  # Appended: the later definition wins, the module's other names stay.
+        if replaced is not None and not write_verifier_file(ctx, f"{copy}/{name}/core.py", f"{core}\n\n{replaced}"):
+            return False  # The agent committed a link or a folder as core.py.
+        outcomes = run_pytest(ctx, "tests", verify_dir, cwd=copy, timeout=60)
+        ctx.terminal(f"rm -rf {copy}")
+        caught = bool(outcomes.results) and not outcomes.all_passed()
+        if caught != (variant == "mutant"):
+            return False
+    return True
+
+
+_WRONG = """def _wrong(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int | float):
+        return value + 1
+    if isinstance(value, str):
+        return value + "?"
+    if isinstance(value, list):
+        return value[:-1] if value else [0]
+    if isinstance(value, dict):
+        return {**value, "?": 0}
+    return 0
+"""
+
+
+def mutant_source(reference: str, function: str) -> str:
+    """`reference` with `function` answering a wrong value of the same type, under the same name and
+    parameters: the reference renamed, and a new `function` that perturbs what it returns."""
+    tree = ast.parse(reference)
+    original = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
+    hidden = f"_{function}_{secrets.token_hex(4)}"
+    original.name = hidden
+    params = ", ".join(a.arg for a in original.args.args)
+    return f"{ast.unparse(tree)}\n\n\n{_WRONG}\n\ndef {function}({params}):\n    return _wrong({hidden}({params}))\n"
 
 
 def _read(ctx: ToolContext, path: str) -> str:

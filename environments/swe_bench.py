@@ -27,7 +27,7 @@ from environments.task_env import TaskEnv
 from environments.tasks import swe_tasks as tasks
 from environments.tool_context import ToolContext
 from environments.verify_calls import checks_from, run_checks
-from environments.verify_tests import fresh_verify_dir, run_pytest
+from environments.verify_tests import fresh_verify_dir, run_pytest, write_verifier_file
 
 
 class SWEBenchEnvConfig(HermesAgentEnvConfig):
@@ -65,7 +65,8 @@ class SWEBenchEnv(TaskEnv):
         if verify_dir is None:
             return False
         if "test_patch" in answer:  # A real instance: apply the hidden tests, run the named ones.
-            ctx.write_file(f"{verify_dir}/test.patch", answer["test_patch"])
+            if not write_verifier_file(ctx, f"{verify_dir}/test.patch", answer["test_patch"]):
+                return False
             if ctx.terminal(f"git apply {verify_dir}/test.patch")["exit_code"] != 0:
                 return False
             node_ids = answer["FAIL_TO_PASS"] + answer["PASS_TO_PASS"]

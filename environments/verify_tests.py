@@ -20,6 +20,7 @@ import shlex
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
+from environments.errors import SandboxViolation
 from environments.tool_context import ToolContext
 
 logger = logging.getLogger(__name__)
@@ -44,17 +45,26 @@ class JunitOutcomes:
 
 def fresh_verify_dir(ctx: ToolContext) -> str | None:
     """A new folder for this verification holding our own pytest.ini (its path in the workspace);
-    None when the agent left the workspace so that it cannot be written (the task is not done: an
-    agent must not turn its failure into an infra failure, which would drop it from the score)."""
+    None when the agent left the workspace so that it cannot be written."""
     path = f".verify-{secrets.token_hex(8)}"
+    return path if write_verifier_file(ctx, f"{path}/pytest.ini", "[pytest]\n") else None
+
+
+def write_verifier_file(ctx: ToolContext, path: str, content: str) -> bool:
+    """Write one of the verifier's own files; False when the agent's workspace refuses it (read-only,
+    full, a link or folder in the way): the task is not done. An agent must not turn its failure
+    into an infra failure, which would drop the rollout from the score; other errors still are one."""
     try:
-        ctx.write_file(f"{path}/pytest.ini", "[pytest]\n")
+        ctx.write_file(path, content)
+    except SandboxViolation as err:
+        logger.info("%s: verifier file %s refused (%s): not completed", ctx.task_id, path, err)
+        return False
     except OSError as err:
         if err.errno not in _AGENT_MADE:
             raise
-        logger.info("%s: the workspace takes no verification files (%s): not completed", ctx.task_id, err)
-        return None
-    return path
+        logger.info("%s: verifier file %s refused (%s): not completed", ctx.task_id, path, err)
+        return False
+    return True
 
 
 def run_pytest(ctx: ToolContext, targets: str, verify_dir: str, cwd: str = ".", timeout: float = 120) -> JunitOutcomes:

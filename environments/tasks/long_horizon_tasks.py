@@ -98,13 +98,20 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
         f"Create a Python project named `{name}` in this empty folder: a package `{name}/` whose module "
         f"`{name}/core.py` defines `{function}` (it must satisfy: {checks[0]}); pyproject.toml with "
         f"[project] name `{name}` and dependencies {', '.join(deps)}; a README.md that names the project "
-        f"and shows how to import `{function}`; tests in tests/test_core.py that call `{function}` and pass "
-        f"with `python -m pytest`. Then initialise git and commit everything, leaving a clean tree."
+        f"and shows how to import `{function}`; tests in tests/test_core.py that check what `{function}` returns "
+        f"and pass with `python -m pytest`. Then initialise git and commit everything, leaving a clean tree."
         + (extra if with_cli else "")
     )
     return {
         "prompt": prompt,
-        "answer": {"name": name, "function": function, "checks": checks, "deps": deps, "required": required},
+        "answer": {
+            "name": name,
+            "function": function,
+            "reference": source,
+            "checks": checks,
+            "deps": deps,
+            "required": required,
+        },
         "oracle": _oracle(name, function, files, checks[0]),
     }
 

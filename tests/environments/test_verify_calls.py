@@ -3,10 +3,12 @@ code and catch its bug, and the comparison is on plain data with exact types."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
 
+from environments.long_horizon import mutant_source
 from environments.tasks import long_horizon_tasks, swe_tasks
 from environments.tool_context import ToolContext
 from environments.verify_calls import Check, checks_from, plain_equal, run_checks
@@ -19,14 +21,24 @@ def test_checks_parse_from_the_forms_tasks_write() -> None:
         Check("is_even(4)", True),
     ]
     assert checks_from(["assert is_prime(13) and not is_prime(15)"]) == [
-        Check("is_prime(13)", True),
-        Check("is_prime(15)", False),
+        Check("is_prime(13)", mode="truthy"),
+        Check("is_prime(15)", mode="falsy"),
     ]
-    assert checks_from(["fizzbuzz(15)[-1] == 'FizzBuzz'", "pair() == (1, 2)"]) == [
+    assert checks_from(["fizzbuzz(15)[-1] == 'FizzBuzz'", "pair(k=1) == (1, 2)"]) == [
         Check("fizzbuzz(15)[-1]", "FizzBuzz"),
-        Check("pair()", [1, 2]),  # A tuple as JSON brings it back.
+        Check("pair(k=1)", [1, 2]),  # A tuple as JSON brings it back.
     ]
-    for bad in ("clamp(1, 0, 2) < 3", "f(1) == g(1)", "x = f(1)", "f(1) or f(2)"):
+    # Every comparison must happen out here: nothing the agent's code could redefine in the child.
+    for bad in (
+        "clamp(1, 0, 2) < 3",
+        "f(1) == g(1)",
+        "x = f(1)",
+        "f(1) or f(2)",
+        "not f(1) == 2",
+        "isinstance(f(1), int)",
+        "len(f(1)) == 2",
+        "f(1).real == 1",
+    ):
         with pytest.raises(ValueError, match="not a check|not a literal"):
             checks_from([bad])
 
@@ -38,7 +50,7 @@ def _call_all(source: str, checks: list[Check]) -> list[bool]:
     results = []
     for check in checks:
         try:
-            results.append(plain_equal(eval(check.call, namespace), check.expected))
+            results.append(check.holds(eval(check.call, namespace)))
         except Exception:
             results.append(False)
     return results
@@ -52,13 +64,24 @@ def test_every_swe_functions_checks_pass_the_fix_and_catch_each_bug() -> None:
             assert not all(_call_all(buggy, checks)), (name, category)
 
 
-def test_every_long_horizon_functions_checks_pass_its_source_and_fail_a_gutted_one() -> None:
+def test_every_long_horizon_functions_checks_pass_its_source_and_fail_its_mutant() -> None:
     for functions in long_horizon_tasks._FUNCTIONS.values():
         for name, source, lines, test_body in functions:
             checks = checks_from(lines)
             assert all(_call_all(source, checks)), name
-            assert not any(_call_all(f"def {name}(*a, **k):\n    return None\n", checks)), name
-            assert all(_call_all(source, checks_from([test_body]))), name  # The example test the agent sees.
+            assert not all(_call_all(f"def {name}(*a, **k):\n    return None\n", checks)), name
+            example = checks_from([test_body])  # The example test the agent sees.
+            assert all(_call_all(source, example)), name
+            # The mutant the agent's own tests must catch: same name and parameters, every answer wrong.
+            mutant = mutant_source(source, name)
+            assert not any(_call_all(mutant, [*checks, *example])), name
+            assert f"def {name}({', '.join(_parameters(source, name))}):" in mutant
+
+
+def _parameters(source: str, name: str) -> list[str]:
+    namespace: dict[str, Any] = {}
+    exec(source, namespace)
+    return list(inspect.signature(namespace[name]).parameters)
 
 
 @pytest.mark.parametrize(
@@ -85,16 +108,55 @@ def test_run_checks_calls_in_a_child_and_ignores_what_the_code_prints() -> None:
     ctx = ToolContext("verify-calls-test")
     try:
         ctx.write_file("pkg/__init__.py", "")
-        noise = """print('results-0:[["ok", "2"]]')"""  # Looks like results, without the marker.
+        noise = """print('results-0:[["ok", "2"]]' * 1000)"""  # Past the sandbox's output cap, marker-less.
         module = f"def inc(x):\n    {noise}\n    return x + 1\n\n\ndef boom():\n    raise KeyError\n"
         ctx.write_file("pkg/core.py", module)
         verify_dir = fresh_verify_dir(ctx)
         assert verify_dir is not None
         imports = "from pkg.core import inc, boom"
         assert run_checks(ctx, imports, checks_from(["inc(1) == 2", "inc(-1) == 0"]), verify_dir, ".", timeout=30)
+        assert run_checks(ctx, imports, checks_from(["inc(0) and not inc(-1)"]), verify_dir, ".", timeout=30)
         assert not run_checks(ctx, imports, checks_from(["inc(1) == 3"]), verify_dir, ".", timeout=30)
         assert not run_checks(ctx, imports, checks_from(["inc(1) == 2", "boom() is None"]), verify_dir, ".", timeout=30)
+        assert not run_checks(ctx, imports, checks_from(["not boom()"]), verify_dir, ".", timeout=30)
         ctx.write_file("pkg/core.py", "import os\nos._exit(0)\n")  # Never reaches the calls.
         assert not run_checks(ctx, imports, checks_from(["inc(1) == 2"]), verify_dir, ".", timeout=30)
+    finally:
+        ctx.cleanup()
+
+
+HONEST = "from lib.core import add\n\n\ndef test_add():\n    assert add(1, 2) == 3\n"
+TESTS_THAT_PIN_NOTHING = {
+    "asserts_nothing": "from lib.core import add\n\n\ndef test_add():\n    add(1, 2)\n",
+    "not_none": "from lib.core import add\n\n\ndef test_add():\n    assert add(1, 2) is not None\n",
+    "right_type": "from lib.core import add\n\n\ndef test_add():\n    assert isinstance(add(1, 2), int)\n",
+    "knows_its_folder": (
+        "import os\nfrom lib.core import add\n\n\ndef test_add():\n    assert os.path.basename(os.getcwd()) == 'head'\n"
+    ),
+    "fails_after_its_first_run": (
+        "import os\nfrom lib.core import add\n\n\ndef test_add():\n"
+        "    flag = os.path.join(os.path.dirname(os.getcwd()), '.ran')\n"  # Outlives the run's copy.
+        "    assert not os.path.exists(flag)\n    open(flag, 'w').close()\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("tests", ["honest", *TESTS_THAT_PIN_NOTHING])
+@pytest.mark.parametrize("committed", ["right", "wrong"])
+def test_long_horizon_tests_earn_credit_only_when_they_pin_the_function(tests: str, committed: str) -> None:
+    from environments.long_horizon import _tests_pin_the_function
+
+    ctx = ToolContext(f"pin-{tests}-{committed}")
+    answer = {"name": "lib", "function": "add", "reference": "def add(a, b):\n    return a + b\n"}
+    try:
+        verify_dir = fresh_verify_dir(ctx)
+        assert verify_dir is not None
+        head = f"{verify_dir}/head"
+        ctx.write_file(f"{head}/lib/__init__.py", "")
+        ctx.write_file(
+            f"{head}/lib/core.py", "def add(a, b):\n    return a + b" + (" + 1" if committed == "wrong" else "") + "\n"
+        )
+        ctx.write_file(f"{head}/tests/test_core.py", HONEST if tests == "honest" else TESTS_THAT_PIN_NOTHING[tests])
+        assert _tests_pin_the_function(ctx, answer, verify_dir) is (tests == "honest" and committed == "right")
     finally:
         ctx.cleanup()

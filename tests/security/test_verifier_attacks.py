@@ -118,6 +118,20 @@ def test_swe_workspace_made_unwritable_scores_zero_not_an_infra_failure(tiny_mod
     assert _rewards(SWEBenchEnv, tiny_model, lambda item: unwritable) == [0.0, 0.0, 0.0]
 
 
+def test_swe_workspace_out_of_inodes_scores_zero_not_an_infra_failure(tiny_model: Path) -> None:
+    """Fill the workspace's inodes, then free two: the verify folder and its ini still fit, the
+    verifier's next file does not."""
+    fill = (
+        "i = 0\ntry:\n    while True:\n        open(f'f{i}', 'w').close()\n        i += 1\nexcept OSError:\n    pass\n"
+    )
+    out_of_inodes = [
+        call("write_file", path="fill.py", content=fill),
+        call("terminal", command="python fill.py; rm -f f0 f1"),
+        final("Fixed."),
+    ]
+    assert _rewards(SWEBenchEnv, tiny_model, lambda item: out_of_inodes, items=1) == [0.0]
+
+
 def test_long_horizon_always_equal_function_and_empty_tests_earn_only_the_honest_milestones(tiny_model: Path) -> None:
     """An always-equal object passes `==` checks; a test file that names the function and asserts
     nothing passes. Both earn what a function returning None with the same tests earns."""
