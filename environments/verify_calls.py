@@ -114,7 +114,9 @@ def run_checks(ctx: ToolContext, imports: str, checks: list[Check], verify_dir: 
         ctx, script, _CHILD.format(imports=imports, calls=[c.call for c in checks], marker=marker)
     ):
         return False
-    run = ctx.terminal(f"cd {shlex.quote(cwd)} && python -I {ctx.workspace}/{script}", timeout=timeout)
+    run = ctx.terminal(
+        f"cd {shlex.quote(cwd)} && python -I {shlex.quote(f'{ctx.workspace}/{script}')}", timeout=timeout
+    )
     lines = [line for line in run["output"].splitlines() if line.startswith(marker)]
     if run["exit_code"] != 0 or len(lines) != 1:
         return False

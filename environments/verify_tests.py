@@ -74,11 +74,11 @@ def run_pytest(ctx: ToolContext, targets: str, verify_dir: str, cwd: str = ".", 
     plugins, an isolated interpreter: nothing the agent wrote configures the run. `cwd` (a
     workspace folder) is the import root.
     """
-    verify = f"{ctx.workspace}/{verify_dir}"
+    verify = shlex.quote(f"{ctx.workspace}/{verify_dir}")
     report = f"{verify_dir}/report-{secrets.token_hex(8)}/junit.xml"
     command = (
         f"cd {shlex.quote(cwd)} && python -I -m pytest -q -p no:cacheprovider --noconftest -c {verify}/pytest.ini "
-        f"--rootdir={verify} -o pythonpath=$PWD --junitxml={ctx.workspace}/{report} {targets}"
+        f'--rootdir={verify} -o pythonpath="$PWD" --junitxml={shlex.quote(f"{ctx.workspace}/{report}")} {targets}'
     )
     ctx.terminal(command, timeout=timeout)
     try:

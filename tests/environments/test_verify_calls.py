@@ -4,11 +4,13 @@ code and catch its bug, and the comparison is on plain data with exact types."""
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from environments.long_horizon import mutant_source
+from environments.sandbox import LocalSandbox
 from environments.tasks import long_horizon_tasks, swe_tasks
 from environments.tool_context import ToolContext
 from environments.verify_calls import Check, checks_from, plain_equal, run_checks
@@ -104,8 +106,9 @@ def test_plain_equal_compares_exact_types(actual: Any, expected: Any, equal: boo
     assert plain_equal(actual, expected) is equal
 
 
-def test_run_checks_calls_in_a_child_and_ignores_what_the_code_prints() -> None:
-    ctx = ToolContext("verify-calls-test")
+def test_run_checks_calls_in_a_child_and_ignores_what_the_code_prints(tmp_path: Path) -> None:
+    root = tmp_path / "sandbox root"  # A space in the workspace's path: every command quotes it.
+    ctx = ToolContext("verify-calls-test", factory=lambda task_id: LocalSandbox(task_id, root=root))
     try:
         ctx.write_file("pkg/__init__.py", "")
         noise = """print('results-0:[["ok", "2"]]' * 1000)"""  # Past the sandbox's output cap, marker-less.
