@@ -108,8 +108,8 @@ def _tests_pin_the_function(ctx: ToolContext, answer: dict[str, Any], verify_dir
             return False  # The agent committed a link or a folder as core.py.
         outcomes = run_pytest(ctx, "tests", verify_dir, cwd=copy, timeout=60)
         ctx.terminal(f"rm -rf {copy}")
-        caught = bool(outcomes.results) and not outcomes.all_passed()
-        if caught != (variant == "mutant"):
+        held = outcomes.all_passed() if variant != "mutant" else bool(outcomes.results) and not outcomes.all_passed()
+        if not held:  # The committed and the reference code pass every test (at least one); the mutant fails one.
             return False
     return True
 

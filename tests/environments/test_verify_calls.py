@@ -131,6 +131,7 @@ def test_run_checks_calls_in_a_child_and_ignores_what_the_code_prints(tmp_path: 
 HONEST = "from lib.core import add\n\n\ndef test_add():\n    assert add(1, 2) == 3\n"
 TESTS_THAT_PIN_NOTHING = {
     "asserts_nothing": "from lib.core import add\n\n\ndef test_add():\n    add(1, 2)\n",
+    "no_tests_at_all": "from lib.core import add  # Names the function, collects nothing.\n",
     "not_none": "from lib.core import add\n\n\ndef test_add():\n    assert add(1, 2) is not None\n",
     "right_type": "from lib.core import add\n\n\ndef test_add():\n    assert isinstance(add(1, 2), int)\n",
     "knows_its_folder": (
