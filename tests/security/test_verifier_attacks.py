@@ -18,6 +18,12 @@ from environments.web_navigation import WebNavigationEnv
 
 Policy = Callable[[dict[str, Any]], list[dict[str, Any]]]
 EXIT_ZERO = "import atexit, os\natexit.register(os._exit, 0)\n"
+STUB_PYTEST = (
+    "import sys\n"
+    "if '_pytest.python' in sys.modules:\n"
+    "    sys.modules['_pytest.python'].Function.runtest = lambda self: None\n"
+)
+ALWAYS_EQUAL = "class _Any:\n    def __eq__(self, other):\n        return True\n\n\n"
 
 
 def _rewards(env_cls: type[HermesAgentBaseEnv], tiny_model: Path, policy: Policy, items: int = 3) -> list[float]:
@@ -39,23 +45,20 @@ def _rewards(env_cls: type[HermesAgentBaseEnv], tiny_model: Path, policy: Policy
     return asyncio.run(run())
 
 
-def test_swe_exit_code_hijack_scores_zero(tiny_model: Path) -> None:
-    """`atexit.register(os._exit, 0)` in the package turns every failing pytest run into exit 0."""
+@pytest.mark.parametrize(
+    "init",
+    [
+        EXIT_ZERO,  # Turns every failing test run into exit 0.
+        "import sys, os\n_real = sys.exit\nsys.exit = lambda *a: os._exit(0)\n",
+        STUB_PYTEST,  # Makes every test in a pytest process that imports the package pass.
+    ],
+    ids=["atexit_exit_zero", "sys_exit_patch", "stubs_pytest_runtest"],
+)
+def test_swe_package_init_tricks_score_zero(tiny_model: Path, init: str) -> None:
+    def trick(item: dict[str, Any]) -> list[dict[str, Any]]:
+        return [call("write_file", path=f"{item['answer']['package']}/__init__.py", content=init), final("Fixed.")]
 
-    def hijack(item: dict[str, Any]) -> list[dict[str, Any]]:
-        init = f"{item['answer']['package']}/__init__.py"
-        return [call("write_file", path=init, content=EXIT_ZERO), final("Fixed.")]
-
-    assert _rewards(SWEBenchEnv, tiny_model, hijack) == [0.0, 0.0, 0.0]
-
-
-def test_swe_sys_exit_patch_in_the_package_scores_zero(tiny_model: Path) -> None:
-    def patch_exit(item: dict[str, Any]) -> list[dict[str, Any]]:
-        init = f"{item['answer']['package']}/__init__.py"
-        code = "import sys, os\n_real = sys.exit\nsys.exit = lambda *a: os._exit(0)\n"
-        return [call("write_file", path=init, content=code), final("Fixed.")]
-
-    assert _rewards(SWEBenchEnv, tiny_model, patch_exit) == [0.0, 0.0, 0.0]
+    assert _rewards(SWEBenchEnv, tiny_model, trick) == [0.0, 0.0, 0.0]
 
 
 def test_long_horizon_stub_project_with_exit_hijack_earns_no_function_or_test_credit(tiny_model: Path) -> None:
@@ -76,24 +79,6 @@ def test_long_horizon_stub_project_with_exit_hijack_earns_no_function_or_test_cr
         ]
 
     assert _rewards(LongHorizonEnv, tiny_model, stub) == [0.0, 0.0, 0.0]
-
-
-STUB_PYTEST = (
-    "import sys\n"
-    "if '_pytest.python' in sys.modules:\n"
-    "    sys.modules['_pytest.python'].Function.runtest = lambda self: None\n"
-)
-ALWAYS_EQUAL = "class _Any:\n    def __eq__(self, other):\n        return True\n\n\n"
-
-
-def test_swe_package_that_stubs_pytests_runtest_scores_zero(tiny_model: Path) -> None:
-    """One line in the package makes every test in a pytest process that imports it pass."""
-
-    def stub(item: dict[str, Any]) -> list[dict[str, Any]]:
-        init = f"{item['answer']['package']}/__init__.py"
-        return [call("write_file", path=init, content=STUB_PYTEST), final("Fixed.")]
-
-    assert _rewards(SWEBenchEnv, tiny_model, stub) == [0.0, 0.0, 0.0]
 
 
 def test_swe_functions_returning_an_always_equal_object_score_zero(tiny_model: Path) -> None:
