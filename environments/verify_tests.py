@@ -56,11 +56,8 @@ def write_verifier_file(ctx: ToolContext, path: str, content: str) -> bool:
     into an infra failure, which would drop the rollout from the score; other errors still are one."""
     try:
         ctx.write_file(path, content)
-    except SandboxViolation as err:
-        logger.info("%s: verifier file %s refused (%s): not completed", ctx.task_id, path, err)
-        return False
-    except OSError as err:
-        if err.errno not in _AGENT_MADE:
+    except (SandboxViolation, OSError) as err:
+        if isinstance(err, OSError) and err.errno not in _AGENT_MADE:
             raise
         logger.info("%s: verifier file %s refused (%s): not completed", ctx.task_id, path, err)
         return False
