@@ -15,6 +15,7 @@ import hashlib
 import json
 import shlex
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -59,18 +60,17 @@ class SWEBenchEnv(TaskEnv):
     async def verify(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> bool:
         """Every hidden check holds: generated tasks call the package's functions in a child process
         (`verify_calls`); a real instance's named tests must be reported passed in pytest's junit
-        report (never the exit code)."""
+        report (never the exit code), beside a canary test that must fail."""
         answer = item["answer"]
         verify_dir = fresh_verify_dir(ctx)
         if verify_dir is None:
             return False
-        if "test_patch" in answer:  # A real instance: apply the hidden tests, run the named ones.
-            if not write_verifier_file(ctx, f"{verify_dir}/test.patch", answer["test_patch"]):
-                return False
-            if ctx.terminal(f"git apply {verify_dir}/test.patch")["exit_code"] != 0:
+        if "test_files" in answer:  # A real instance: the hidden tests over the agent's, run the named ones.
+            if not restore_test_files(ctx, answer["test_files"]):
                 return False
             node_ids = answer["FAIL_TO_PASS"] + answer["PASS_TO_PASS"]
-            outcomes = run_pytest(ctx, " ".join(shlex.quote(n) for n in node_ids), verify_dir, timeout=120)
+            targets = " ".join(shlex.quote(n) for n in node_ids)
+            outcomes = run_pytest(ctx, targets, verify_dir, timeout=120, canary=True)
             return outcomes.all_passed(expected=len(set(node_ids)))
         return run_checks(ctx, answer["imports"], checks_from(answer["checks"]), verify_dir, ".", timeout=120)
 
@@ -105,22 +105,12 @@ def load_instances(path: Path) -> list[dict[str, Any]]:
         try:
             raw = json.loads(line)
             repo = Path(raw["repo_path"])
-            archive = subprocess.run(
-                ["git", "-C", str(repo), "ls-tree", "-r", "--name-only", raw["base_commit"]],
-                capture_output=True, text=True, check=True,
-            ).stdout.split()  # fmt: skip
-            files = {
-                name: subprocess.run(
-                    ["git", "-C", str(repo), "show", f"{raw['base_commit']}:{name}"],
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                ).stdout
-                for name in archive
-            }
+            archive = _git(repo, "ls-tree", "-r", "--name-only", raw["base_commit"]).split()
+            files = {name: _git(repo, "show", f"{raw['base_commit']}:{name}") for name in archive}
             fail_to_pass = _as_list(raw["FAIL_TO_PASS"])
             pass_to_pass = _as_list(raw.get("PASS_TO_PASS", []))
-        except (KeyError, json.JSONDecodeError, subprocess.CalledProcessError, OSError) as err:
+            test_files = hidden_test_files(files, raw["test_patch"], fail_to_pass + pass_to_pass)
+        except (KeyError, json.JSONDecodeError, OSError) as err:
             raise ValueError(f"{path}:{number}: not a usable SWE-bench instance ({err})") from err
         items.append(
             {
@@ -132,7 +122,7 @@ def load_instances(path: Path) -> list[dict[str, Any]]:
                 "files": files,
                 "setup_commands": ["git init -q && git add -A && git -c user.name=a -c user.email=a@b commit -qm base"],
                 "answer": {
-                    "test_patch": raw["test_patch"],
+                    "test_files": test_files,
                     "FAIL_TO_PASS": fail_to_pass,
                     "PASS_TO_PASS": pass_to_pass,
                 },
@@ -146,6 +136,48 @@ def load_instances(path: Path) -> list[dict[str, Any]]:
     if not items:
         raise ValueError(f"{path}: no instances")
     return items
+
+
+def hidden_test_files(files: dict[str, str], test_patch: str, node_ids: list[str]) -> dict[str, str | None]:
+    """Every test file the verdict reads, as the hidden tests have it: each file `test_patch` touches,
+    patched here from the base (None: the patch deletes it), and each named test's file at the base.
+    The verifier writes them over the agent's tree (`restore_test_files`), so an edit the agent made
+    to a test (say, module code outside the patch's hunks that stubs pytest) never runs."""
+    with tempfile.TemporaryDirectory(prefix="swe-tests-") as tmp:
+        root = Path(tmp)
+        patch = root / "test.patch"
+        patch.write_text(test_patch)
+        numstat = _git(root, "apply", "--numstat", "-z", str(patch)).split("\0")
+        # "added\tdeleted\tpath" a file; a rename is "added\tdeleted\t", then its old and new path.
+        touched = {field.split("\t", 2)[-1] for field in numstat} - {""}
+        tree = root / "tree"
+        tree.mkdir()
+        _git(tree, "init", "-q")  # A repository of its own: `git apply` never looks above it.
+        for path in touched & files.keys():
+            (tree / path).parent.mkdir(parents=True, exist_ok=True)
+            (tree / path).write_text(files[path])
+        _git(tree, "apply", str(patch))
+        patched = {path: (tree / path).read_text() if (tree / path).is_file() else None for path in touched}
+    named = {node.split("::", 1)[0] for node in node_ids}
+    return {path: files[path] for path in sorted(named & files.keys())} | patched
+
+
+def restore_test_files(ctx: ToolContext, test_files: dict[str, str | None]) -> bool:
+    """Write the hidden test files over the agent's tree and delete those the tests do not have;
+    False when the agent's tree refuses (a link, a read-only folder): the task is not done."""
+    for path, content in test_files.items():
+        if content is None:
+            ctx.terminal(f"rm -rf -- {shlex.quote(path)}")
+        elif not write_verifier_file(ctx, path, content):
+            return False
+    return True
+
+
+def _git(cwd: Path, *args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    if done.returncode:
+        raise OSError(f"git {args[0]} failed: {done.stderr.strip()}")
+    return done.stdout
 
 
 def _as_list(value: Any) -> list[str]:

@@ -8,7 +8,8 @@ report is written by a command that runs after the agent's processes are dead (e
 command lives in its own PID namespace) and is read back through the sandbox's file access.
 Inside the test process the agent's code can still patch pytest itself, so where a task's checks
 are calls of the agent's functions, `verify_calls` judges them instead; pytest is left for the
-agent's own tests and real SWE-bench instances.
+agent's own tests (which must also fail on a mutant) and real SWE-bench instances (which run
+beside a canary test that must fail).
 """
 
 from __future__ import annotations
@@ -64,24 +65,39 @@ def write_verifier_file(ctx: ToolContext, path: str, content: str) -> bool:
     return True
 
 
-def run_pytest(ctx: ToolContext, targets: str, verify_dir: str, cwd: str = ".", timeout: float = 120) -> JunitOutcomes:
+def run_pytest(
+    ctx: ToolContext, targets: str, verify_dir: str, cwd: str = ".", timeout: float = 120, canary: bool = False
+) -> JunitOutcomes:
     """Run pytest on `targets` (shell words, relative to `cwd`) and parse its junit report.
 
     Our own ini file (in `verify_dir`, from `fresh_verify_dir`) and rootdir, no conftest, no
     plugins, an isolated interpreter: nothing the agent wrote configures the run. `cwd` (a
-    workspace folder) is the import root.
+    workspace folder) is the import root. With `canary`, a randomly named test that must fail runs
+    last: reported passed (or not at all), the agent's code tampered with pytest (a package that
+    stubs `runtest` makes every test pass), and no outcome counts.
     """
     verify = shlex.quote(f"{ctx.workspace}/{verify_dir}")
     report = f"{verify_dir}/report-{secrets.token_hex(8)}/junit.xml"
+    canary_name = f"test_{secrets.token_hex(8)}"
+    if canary:
+        if not write_verifier_file(ctx, f"{verify_dir}/{canary_name}.py", f"def {canary_name}():\n    assert False\n"):
+            return JunitOutcomes({})
+        targets += " " + shlex.quote(f"{ctx.workspace}/{verify_dir}/{canary_name}.py")
     command = (
         f"cd {shlex.quote(cwd)} && python -I -m pytest -q -p no:cacheprovider --noconftest -c {verify}/pytest.ini "
         f'--rootdir={verify} -o pythonpath="$PWD" --junitxml={shlex.quote(f"{ctx.workspace}/{report}")} {targets}'
     )
     ctx.terminal(command, timeout=timeout)
     try:
-        return parse_junit(ctx.read_file(report))
+        outcomes = parse_junit(ctx.read_file(report))
     except (OSError, ValueError):
         return JunitOutcomes({})
+    if canary:
+        reported = [name for name in outcomes.results if name.endswith(f"::{canary_name}")]
+        if len(reported) != 1 or outcomes.results.pop(reported[0]):
+            logger.info("%s: the canary test passed or went missing: pytest was tampered with", ctx.task_id)
+            return JunitOutcomes({})
+    return outcomes
 
 
 def parse_junit(text: str) -> JunitOutcomes:

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from environments import rewards
-from environments.policies import ScriptedPolicy, do_nothing
-from environments.swe_bench import SWEBenchEnv
+from environments.policies import ScriptedPolicy, call, do_nothing, final
+from environments.swe_bench import SWEBenchEnv, hidden_test_files, load_instances
 
 
 def test_docstring_examples_hold() -> None:
@@ -44,48 +44,95 @@ def _git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
 
 
-def _instance(tmp_path: Path, ids: tuple[str, ...] = ("calc-1",)) -> Path:
-    """An instances file: one line per id, all of the same bug in one generated repo."""
+def _instance(tmp_path: Path, ids: tuple[str, ...] = ("calc-1",), test_patch: str | None = None) -> Path:
+    """An instances file: one line per id, all of the same bug in one generated repo. The base has a
+    passing test of `sub`; the hidden tests add one of `add` to the same file."""
     repo = tmp_path / "repo"
     (repo / "calc").mkdir(parents=True)
+    (repo / "tests").mkdir()
     (repo / "calc" / "__init__.py").write_text("")
-    (repo / "calc" / "ops.py").write_text("def add(a, b):\n    return a - b\n")
+    (repo / "calc" / "ops.py").write_text("def add(a, b):\n    return a - b\n\n\ndef sub(a, b):\n    return a - b\n")
+    (repo / "tests" / "test_ops.py").write_text(TESTS_AT_BASE)
     _git(tmp_path, "init", "-q", str(repo))
     _git(repo, "add", "-A")
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base")
     base = _git(repo, "rev-parse", "HEAD").strip()
-    (repo / "calc" / "ops.py").write_text("def add(a, b):\n    return a + b\n")
+    (repo / "calc" / "ops.py").write_text("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n")
     patch = _git(repo, "diff")
     _git(repo, "checkout", "-q", "--", ".")
-    (repo / "tests").mkdir()
-    (repo / "tests" / "test_ops.py").write_text(
-        "import sys, os\nsys.path.insert(0, os.getcwd())\nfrom calc.ops import add\n\n\ndef test_add():\n"
-        "    assert add(2, 3) == 5\n"
-    )
-    _git(repo, "add", "-N", "tests")
-    test_patch = _git(repo, "diff")
+    (repo / "tests" / "test_ops.py").write_text(TESTS_AT_BASE + "\n\ndef test_add():\n    assert add(2, 3) == 5\n")
     instance = {
         "repo_path": str(repo), "base_commit": base,
-        "problem_statement": "add(2, 3) returns -1", "patch": patch, "test_patch": test_patch,
-        "FAIL_TO_PASS": json.dumps(["tests/test_ops.py::test_add"]), "PASS_TO_PASS": "[]",
+        "problem_statement": "add(2, 3) returns -1", "patch": patch, "test_patch": test_patch or _git(repo, "diff"),
+        "FAIL_TO_PASS": json.dumps(["tests/test_ops.py::test_add"]), "PASS_TO_PASS": '["tests/test_ops.py::test_sub"]',
     }  # fmt: skip
+    _git(repo, "checkout", "-q", "--", ".")
     path = tmp_path / "instances.jsonl"
     path.write_text("".join(json.dumps({"instance_id": i, **instance}) + "\n" for i in ids))
     return path
 
 
-def test_real_swe_bench_instances_run_with_their_oracle_patch(tiny_model: Path, tmp_path: Path) -> None:
-    env = SWEBenchEnv(tokenizer_name=str(tiny_model), teacher="oracle", instances_path=str(_instance(tmp_path)))
+TESTS_AT_BASE = "from calc.ops import add, sub\n\n\ndef test_sub():\n    assert sub(3, 2) == 1\n"
+STUB_PYTEST = "import sys\nsys.modules['_pytest.python'].Function.runtest = lambda self: None\n"
 
-    async def scenario() -> tuple[float | None, float | None]:
+
+def _instance_reward(tiny_model: Path, instances: Path, policy: list[dict[str, Any]] | None = None) -> float | None:
+    """The held-out instance's reward for the oracle, or for `policy` when given."""
+    env = SWEBenchEnv(tokenizer_name=str(tiny_model), teacher="oracle", instances_path=str(instances))
+    if policy is not None:
+        env.oracle_policy = lambda item: ScriptedPolicy(policy)  # type: ignore[method-assign]
+
+    async def scenario() -> float | None:
         await env.setup()
-        item = env.eval_items[0]  # One instance: it is held out for evaluation.
-        _, solved = await env.run_agent(item, 0.0)
-        env.oracle_policy = lambda item: ScriptedPolicy(do_nothing())  # type: ignore[method-assign]
-        _, unsolved = await env.run_agent(item, 0.0)
-        return solved, unsolved
+        return (await env.run_agent(env.eval_items[0], 0.0))[1]  # One instance: it is held out.
 
-    assert asyncio.run(scenario()) == (1.0, 0.0)
+    return asyncio.run(scenario())
+
+
+def test_real_swe_bench_instances_run_with_their_oracle_patch(tiny_model: Path, tmp_path: Path) -> None:
+    instances = _instance(tmp_path)
+    assert _instance_reward(tiny_model, instances) == 1.0
+    assert _instance_reward(tiny_model, instances, do_nothing()) == 0.0
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [
+        # Module code above the test the hidden patch adds: the patch still applies around it.
+        [call("write_file", path="tests/test_ops.py", content=STUB_PYTEST + TESTS_AT_BASE)],
+        # The package stubs pytest in any test process that imports it.
+        [call("write_file", path="calc/__init__.py", content=STUB_PYTEST)],
+        # The named test's file swapped for a folder, so writing the hidden tests fails.
+        [call("terminal", command="rm tests/test_ops.py && mkdir tests/test_ops.py")],
+    ],
+    ids=["stub_in_a_test_file", "stub_in_the_package", "test_file_made_a_folder"],
+)
+def test_real_swe_instances_judge_the_hidden_tests_not_the_agents_edits(
+    tiny_model: Path, tmp_path: Path, attack: list[dict[str, Any]]
+) -> None:
+    assert _instance_reward(tiny_model, _instance(tmp_path), [*attack, final("Fixed.")]) == 0.0
+
+
+def test_a_real_instance_whose_test_patch_does_not_apply_is_refused_with_gits_reason(tmp_path: Path) -> None:
+    bad = "--- a/tests/test_ops.py\n+++ b/tests/test_ops.py\n@@ -1,1 +1,1 @@\n-no such line\n+x\n"
+    with pytest.raises(ValueError, match=r"instances.jsonl:1: not a usable SWE-bench instance \(git apply failed"):
+        load_instances(_instance(tmp_path, test_patch=bad))
+
+
+def test_hidden_test_files_are_the_patched_files_and_the_named_tests_at_the_base() -> None:
+    files = {"t/test_a.py": "def test_a():\n    pass\n", "t/test_b.py": "B\n", "t/test_c.py": "C\n", "m.py": "M\n"}
+    patch = (
+        "--- a/t/test_a.py\n+++ b/t/test_a.py\n@@ -1,2 +1,2 @@\n def test_a():\n-    pass\n+    assert 1\n"
+        "--- a/t/test_c.py\n+++ /dev/null\n@@ -1 +0,0 @@\n-C\n"
+        "--- /dev/null\n+++ b/t/test_new.py\n@@ -0,0 +1 @@\n+N\n"
+    )
+    hidden = hidden_test_files(files, patch, ["t/test_a.py::test_a", "t/test_b.py::test_b", "t/gone.py::test_x"])
+    assert hidden == {
+        "t/test_a.py": "def test_a():\n    assert 1\n",
+        "t/test_b.py": "B\n",
+        "t/test_c.py": None,
+        "t/test_new.py": "N\n",
+    }
 
 
 def test_swe_instances_held_out_for_evaluation_are_never_trained_on(tiny_model: Path, tmp_path: Path) -> None:
