@@ -79,10 +79,12 @@ def arm_profile(source: ArtifactStore, p: RoundProfile, arm: str) -> RoundProfil
 def run_arm(source: Path, workdir: Path, p: RoundProfile) -> tuple[ArtifactStore, str]:
     """Round 2 on a copy of the round-1 store in `workdir`; the candidate's agentic eval id. A copy
     whose round 2 finished from this round 1 with this very profile is reused; any other copy is
-    started again (and the larger sample of its candidate dropped)."""
+    started again (and the larger sample of its candidate dropped). The uniform arm's round reads no
+    curriculum settings, so changing them re-runs the mined arm only."""
     copy, record = workdir / p.curriculum, workdir / f"{p.curriculum}-round.json"
+    unread = {"curriculum_config"} if p.curriculum == "uniform" else None
     wanted = json.dumps(
-        {"round_1": ArtifactStore(source).resolve("weaknesses/weaknesses-r1"), "profile": p.model_dump()}
+        {"round_1": ArtifactStore(source).resolve("weaknesses/weaknesses-r1"), "profile": p.model_dump(exclude=unread)}
     )
     if copy.exists() and record.exists() and record.read_text() == wanted:
         store = ArtifactStore(copy)

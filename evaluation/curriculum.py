@@ -5,7 +5,7 @@ Each slice (env, category, difficulty) gets a class from Wilson intervals on its
 - *unsolved* (upper bound under `low`, or no success seen yet - a slice the champion never
   solved gives rejection sampling nothing to keep): teacher demonstrations for SFT;
 - *learnable* (in between, with a success seen): the champion's own rollouts (rejection-sampled
-  into SFT rows and preference pairs) and GRPO tasks weighted by learnability p(1 - p);
+  into SFT rows and preference pairs) and GRPO tasks, both weighted by learnability p(1 - p);
 - *mastered* (lower bound over `high`): a small replay share of the champion's own rollouts
   (its successes keep what it does there in SFT: a teacher's different procedure made it forget),
   and the category's next difficulty unlocks (it stays unlocked in later rounds);
@@ -14,9 +14,10 @@ Each slice (env, category, difficulty) gets a class from Wilson intervals on its
 A held-out set has only a few items per slice, so thin evidence climbs to the slice's parents
 (env x difficulty, then env) until an interval is decisive, as long as the slice's own outcomes
 point the same way; every row says which level decided.
-The generation budget is split over the slices to teach (unsolved, learnable) by class weight
-(largest remainder), and each mastered slice's replay comes on top of it, so every decision -
-slice, class, weight, groups - is recorded and generation follows it exactly.
+The generation budget is split over the slices to teach (unsolved, learnable) by weight (an
+unsolved slice 1, a learnable one 4p(1 - p): 1 at even odds; largest remainder), and each mastered
+slice's replay comes on top of it, so every decision - slice, class, weight, groups - is recorded
+and generation follows it exactly.
 
 Teacher data goes where it can teach: an unsolved slice whose teacher needs more turns than the
 round allows (`max_turns`) waits as *out of reach* (a student judged on 6 turns cannot imitate a
@@ -189,12 +190,12 @@ def plan_generation(
     taught slices beside many mastered ones would otherwise multiply the round's SFT). With nothing
     left to teach, `groups` all go to replay."""
     config = config or CurriculumConfig()
-    weight = {"unsolved": 1.0, "learnable": 1.0, "mastered": config.replay, "locked": 0.0}
+    weight = {"unsolved": 1.0, "mastered": config.replay, "locked": 0.0}
     per_env = [[(env, row) for row in spec["slices"]] for env, spec in curriculum.items()]
     # Interleaved across envs, so a budget smaller than the slices spreads its ties over every env.
     cells = [cell for rank in itertools.zip_longest(*per_env) for cell in rank if cell is not None]
-    for _, row in cells:
-        row["weight"] = weight[row["class"]]
+    for _, row in cells:  # A learnable slice at even odds weighs like an unsolved one, one nearly solved little.
+        row["weight"] = round(4 * learnability(row, config), 4) if row["class"] == "learnable" else weight[row["class"]]
     _focus_teaching(cells, _teaching_limit(cells, groups, config), max_turns)
     taught = [0.0 if row["class"] == "mastered" else row["weight"] for _, row in cells]
     replayed = [row["weight"] if row["class"] == "mastered" else 0.0 for _, row in cells]
@@ -266,12 +267,7 @@ def grpo_mix(curriculum: dict[str, Any], config: CurriculumConfig | None = None)
     (SFT has just been shown them); with none of those either, every unlocked mastered one."""
     config = config or CurriculumConfig()
     cells = [(env, row) for env, spec in curriculum.items() for row in spec["slices"]]
-
-    def learnability(row: dict[str, Any]) -> float:
-        p = sum(wilson(row["wins"], row["n"], config.z)) / 2
-        return round(p * (1 - p), 4) if row["class"] == "learnable" else 0.0
-
-    weights = [learnability(row) for _, row in cells]
+    weights = [round(learnability(row, config), 4) for _, row in cells]
     for fallback in ("unsolved", "mastered"):  # Only the slices the plan teaches (a waiting one got no data).
         if not any(weights):
             weights = [float(row["class"] == fallback and row.get("weight", 1.0) > 0) for _, row in cells]
@@ -279,6 +275,16 @@ def grpo_mix(curriculum: dict[str, Any], config: CurriculumConfig | None = None)
     for (env, row), weight in zip(cells, weights, strict=True):
         mix[env][row["slice"]] = weight
     return mix
+
+
+def learnability(row: dict[str, Any], config: CurriculumConfig) -> float:
+    """p(1 - p) of a learnable slice (p: the Wilson centre of its success rate); 0 for any other class.
+    What the champion's own rollouts can still teach there: rejection sampling and preference pairs
+    need both outcomes, and a slice it nearly always solves gives back what it already does."""
+    if row["class"] != "learnable":
+        return 0.0
+    p = sum(wilson(row["wins"], row["n"], config.z)) / 2
+    return p * (1 - p)
 
 
 def largest_remainder(weights: list[float], total: int) -> list[int]:

@@ -134,12 +134,11 @@ class RoundProfile(BaseModel):
         return {env: tuple(self.env_categories(env) or task_categories(env) or ()) for env in self.envs}
 
 
-# CPU rounds hold out about one item per slice: 68 % intervals (z = 1) let 3 of 3 master a slice
-# and 0 of 3 mark it unsolved, where 95 % would need 9 of 9. A CPU round's SFT sees ~24
-# conversations: three slices taught at a time get ~8 each, where twelve would get two. A floor of
-# 8 teacher groups a slice instead (`min_teacher_groups=8`: four slices of the default's 32 groups)
-# made round 1 worse, 0.17 against 0.25 on the 72 held-out items (docs/runs.md).
-CPU_CURRICULUM = CurriculumConfig(z=1.0, focus=3)
+# CPU rounds hold out about two items per slice: 68 % intervals (z = 1) let 3 of 3 master a slice
+# and 0 of 3 mark it unsolved, where 95 % would need 9 of 9. Every unsolved slice in reach is taught
+# (no `focus`): in round 2 of the curriculum ablation a focus of 3 taught one swe_bench category
+# and lost the three to a uniform mix that taught them all thinly (README, Benchmarks).
+CPU_CURRICULUM = CurriculumConfig(z=1.0)
 
 PROFILES: dict[str, RoundProfile] = {
     # SmolLM2-135M on CPU: the slice a 135M model can learn in one round (look a product up, copy
