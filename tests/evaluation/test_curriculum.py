@@ -99,6 +99,21 @@ def test_the_generation_plan_routes_classes_to_actors_and_generation_follows_it_
     assert drawn == {s: w for s, w in teacher["mix"].items() if w}
 
 
+def test_learnable_slices_get_generation_by_learnability_so_a_nearly_solved_one_does_not_crowd_out_teaching() -> None:
+    """A learnable slice's share of the budget is 4p(1 - p) of an unsolved slice's: at even odds the same,
+    nearly solved (2 of 2, not yet decisive at z = 1) about half, so the teacher gets the rest."""
+    config = CurriculumConfig(z=1.0)
+    script = {("todo_report", "easy"): (0, 2), ("line_count", "easy"): (1, 2), ("csv_summary", "easy"): (2, 2)}
+    curriculum = build_curriculum(outcomes(script), FAMILIES, config=config)
+    easy = ("todo_report/easy", "line_count/easy", "csv_summary/easy")
+    assert [classes(curriculum)[s] for s in easy] == ["unsolved", "learnable", "learnable"]
+    plan = plan_generation(curriculum, groups=25, config=config)["tool_use_chain"]
+    rows = {row["slice"]: row for row in curriculum["tool_use_chain"]["slices"]}
+    assert [rows[s]["weight"] for s in easy] == [1.0, 1.0, 0.5556]
+    assert [rows[s]["groups"] for s in easy] == [10, 10, 5]
+    assert plan["teacher"]["groups"] == 10 and plan["policy"]["groups"] == 15
+
+
 def test_with_nothing_left_to_teach_the_whole_budget_replays_mastered_slices() -> None:
     everything = {(c, d): (12, 12) for c in CATEGORIES for d in ("easy", "medium", "hard")}
     curriculum = build_curriculum(outcomes(everything), FAMILIES)
