@@ -22,9 +22,10 @@ and generation follows it exactly.
 Teacher data goes where it can teach: an unsolved slice whose teacher needs more turns than the
 round allows (`max_turns`) waits as *out of reach* (a student judged on 6 turns cannot imitate a
 30-turn demonstration), and of the reachable ones only the easiest (easiest difficulty, then fewest
-teacher turns) are taught this round: at most `focus` of them, and no more than the budget left
-after the learnable slices gives `min_teacher_groups` each, so a small budget teaches a few slices
-well rather than every slice a little; the others wait for a later round.
+teacher turns) are taught this round: while the champion solves no slice yet (a base model, which
+first has to learn the tool-call format from a few procedures), at most `focus` of them; once it
+solves some, every one in reach; and never more than the budget left after the learnable slices
+gives `min_teacher_groups` each. The others wait for a later round.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ class CurriculumConfig(BaseModel):
     focus: int | None = Field(
         default=None,
         ge=1,
-        description="Unsolved slices given teacher data per round (easiest first; None: every one in reach).",
+        description="Unsolved slices given teacher data while the champion solves no slice yet (easiest first; "
+        "None: every one in reach, as in every round once it solves some). From SmolLM2's base, 3 slices scored "
+        "0.25 and 4 scored 0.17; from a round-1 champion, teaching every slice in reach beat 3.",
     )
     min_teacher_groups: int | None = Field(
         default=None,
@@ -219,9 +222,11 @@ def plan_generation(
 
 
 def _teaching_limit(cells: list[tuple[str, dict[str, Any]]], groups: int, config: CurriculumConfig) -> int | None:
-    """How many unsolved slices this round teaches: `focus`, and no more than leave `min_teacher_groups`
-    each once the learnable slices (weighted alike) have their share; at least one."""
-    limit = config.focus
+    """How many unsolved slices this round teaches: `focus` while the champion solves no slice yet (every
+    one in reach once it does), and no more than leave `min_teacher_groups` each once the learnable
+    slices (weighted alike) have their share; at least one."""
+    solves_some = any(row["class"] in ("learnable", "mastered") for _, row in cells)
+    limit = None if solves_some else config.focus
     if config.min_teacher_groups:
         learnable = sum(row["class"] == "learnable" for _, row in cells)
         floor = max(1, groups // config.min_teacher_groups - learnable)

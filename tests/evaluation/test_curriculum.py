@@ -311,6 +311,25 @@ def test_teacher_data_goes_to_the_focus_easiest_slices_in_reach() -> None:
     assert [row["groups"] for row in easy] == [1, 1, 1] and not any("waits" in row for row in easy)
 
 
+def test_focus_holds_only_while_the_champion_solves_nothing() -> None:
+    """From a base model that solves no slice, `focus` slices are taught; once the champion solves one,
+    every unsolved slice in reach is (out of reach still waits)."""
+    swe = ("off_by_one", "wrong_operator", "wrong_condition")
+    families = {"tool_use_chain": CATEGORIES, "swe_bench": swe, "long_horizon": ("library", "cli_tool", "data_utils")}
+    config = CurriculumConfig(z=1.0, focus=3)
+
+    def taught(script: dict[tuple[str, str], tuple[int, int]]) -> set[tuple[str, str]]:
+        curriculum = build_curriculum(outcomes(script), families, config=config)
+        plan_generation(curriculum, groups=32, config=config, max_turns=6)
+        rows = [(env, row) for env, spec in curriculum.items() for row in spec["slices"]]
+        return {(env, row["slice"]) for env, row in rows if row["groups"] and row["class"] == "unsolved"}
+
+    easy = {("tool_use_chain", f"{c}/easy") for c in CATEGORIES}
+    assert taught({("todo_report", "easy"): (0, 2)}) == easy
+    in_reach = (easy - {("tool_use_chain", "todo_report/easy")}) | {("swe_bench", f"{c}/easy") for c in swe}
+    assert taught({("todo_report", "easy"): (1, 2)}) == in_reach  # Learnable now: five taught, not three.
+
+
 def test_a_teacher_group_floor_teaches_as_many_unsolved_slices_as_the_budget_gives_it() -> None:
     """`min_teacher_groups` sets how many unsolved slices a round teaches from its budget: all four in
     reach at 8 groups each where a `focus` of 3 would defer one; learnable slices take their share
