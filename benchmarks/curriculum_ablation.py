@@ -80,13 +80,18 @@ def run_arm(source: Path, workdir: Path, p: RoundProfile) -> tuple[ArtifactStore
     """Round 2 on a copy of the round-1 store in `workdir`; the candidate's agentic eval id. A copy
     whose round 2 finished from this round 1 with this very profile is reused; any other copy is
     started again (and the larger sample of its candidate dropped). The uniform arm's round reads no
-    curriculum settings, so changing them re-runs the mined arm only."""
+    curriculum settings (only its budget comes from the mined plan), so they are left out of its
+    record; the mined arm's record holds its generation plan and GRPO mix, so a change to the
+    curriculum's code re-runs it too."""
     copy, record = workdir / p.curriculum, workdir / f"{p.curriculum}-round.json"
-    unread = {"curriculum_config"} if p.curriculum == "uniform" else None
-    wanted = json.dumps(
-        {"round_1": ArtifactStore(source).resolve("weaknesses/weaknesses-r1"), "profile": p.model_dump(exclude=unread)}
-    )
-    if copy.exists() and record.exists() and record.read_text() == wanted:
+    round_1 = ArtifactStore(source)
+    wanted = {"round_1": round_1.resolve("weaknesses/weaknesses-r1")}
+    if p.curriculum == "uniform":
+        wanted["profile"] = p.model_dump(exclude={"curriculum_config"})
+    else:
+        wanted["profile"] = p.model_dump()
+        wanted["plan"] = plan_round(round_1.read_json("weaknesses/weaknesses-r1", "curriculum.json"), p)
+    if copy.exists() and record.exists() and json.loads(record.read_text()) == json.loads(json.dumps(wanted)):
         store = ArtifactStore(copy)
         if store.try_resolve("report/round-2") is not None:
             print(f"{p.curriculum} arm: round 2 already finished in {copy}")
@@ -96,7 +101,7 @@ def run_arm(source: Path, workdir: Path, p: RoundProfile) -> tuple[ArtifactStore
         shutil.rmtree(copy)
     shutil.rmtree(weak_eval_folder(workdir, p.curriculum), ignore_errors=True)
     shutil.copytree(source, copy)
-    record.write_text(wanted)
+    record.write_text(json.dumps(wanted))
     store = ArtifactStore(copy)
     run_round(store, 2, p, plain_stage(store, p))
     return store, store.resolve("eval/agentic-r2")

@@ -53,7 +53,7 @@ class CurriculumConfig(BaseModel):
         default=1.96,
         gt=0,
         description="Wilson interval width (1.96: 95 %; the CPU presets use 1.0, 68 %, as "
-        "they hold out about one item per slice).",
+        "they hold out one or two items per slice).",
     )
     replay: float = Field(
         default=0.5,
@@ -67,7 +67,7 @@ class CurriculumConfig(BaseModel):
         ge=1,
         description="Unsolved slices given teacher data while the champion solves no slice yet (easiest first; "
         "None: every one in reach, as in every round once it solves some). From SmolLM2's base, 3 slices scored "
-        "0.25 and 4 scored 0.17; from a round-1 champion, teaching every slice in reach beat 3.",
+        "0.25 and 4 scored 0.17; from a round-1 champion, a focus of 3 lost to a uniform mix (README).",
     )
     min_teacher_groups: int | None = Field(
         default=None,
@@ -182,10 +182,11 @@ def _row(cls: SliceClass, wins: int, n: int, low: float, high: float, evidence: 
 def plan_generation(
     curriculum: dict[str, Any], groups: int, config: CurriculumConfig | None = None, max_turns: int | None = None
 ) -> dict[str, Any]:
-    """Split `groups` over the slices to teach by class weight and add each mastered slice's replay
-    (`replay` times a taught slice's share) on top; per env and source (teacher / policy), the slice
-    weights and group count generation runs with. Records `weight` and `groups` per slice, and why an
-    unsolved slice `waits` (out of reach of `max_turns`, or beyond the round's focus).
+    """Split `groups` over the slices to teach by weight (unsolved 1, learnable 4p(1 - p)) and add each
+    mastered slice's replay (`replay` times a taught slice's share) on top; per env and source (teacher /
+    policy), the slice weights and group count generation runs with. Records `weight` and `groups` per
+    slice, and why a slice to teach `waits` (out of reach of `max_turns`, beyond the round's focus, or
+    no group left in a budget smaller than the slices).
 
     Replay on top, not out of `groups`: taken out of the budget, replay grew with every slice mastered
     and starved the teaching (a default run's round 3 gave its unsolved slices 4 teacher groups each,
@@ -210,6 +211,8 @@ def plan_generation(
     plan: dict[str, Any] = defaultdict(dict)
     for (env, row), share in zip(cells, shares, strict=True):
         row["groups"] = share
+        if not share and row["weight"] and row["class"] in ("unsolved", "learnable"):
+            row["waits"] = f"no group left: this round's {groups} groups went to other slices"
         source = SOURCES[row["class"]]
         if share and source:
             part = plan[env].setdefault(source, {"groups": 0, "mix": {}})
@@ -224,12 +227,12 @@ def plan_generation(
 def _teaching_limit(cells: list[tuple[str, dict[str, Any]]], groups: int, config: CurriculumConfig) -> int | None:
     """How many unsolved slices this round teaches: `focus` while the champion solves no slice yet (every
     one in reach once it does), and no more than leave `min_teacher_groups` each once the learnable
-    slices (weighted alike) have their share; at least one."""
+    slices have their share (by their weights); at least one."""
     solves_some = any(row["class"] in ("learnable", "mastered") for _, row in cells)
     limit = None if solves_some else config.focus
     if config.min_teacher_groups:
-        learnable = sum(row["class"] == "learnable" for _, row in cells)
-        floor = max(1, groups // config.min_teacher_groups - learnable)
+        learnable = sum(row["weight"] for _, row in cells if row["class"] == "learnable")
+        floor = max(1, math.floor(groups / config.min_teacher_groups - learnable))
         limit = min(limit or floor, floor)
     return limit
 

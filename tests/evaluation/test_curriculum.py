@@ -181,6 +181,15 @@ def test_the_ablation_reuses_only_an_arm_that_finished_from_the_same_round_1_and
     ArtifactStore(source).put("weaknesses", "weaknesses-r1", {"curriculum.json": '{"slices": {}}'})  # Another round 1.
     ablation.run_arm(source, workdir, p)
     assert len(rounds) == 5
+    # The uniform arm reads no curriculum settings: changing them keeps it. The mined arm's plan is in its record.
+    ablation.run_arm(source, workdir, p.model_copy(update={"curriculum_config": CurriculumConfig(focus=1)}))
+    mined = p.model_copy(update={"curriculum": "mined"})
+    ablation.run_arm(source, workdir, mined)
+    ablation.run_arm(source, workdir, mined)
+    assert len(rounds) == 6
+    monkeypatch.setattr(ablation, "plan_round", lambda *args: ({"tool_use_chain": {}}, {}))  # Another curriculum rule.
+    ablation.run_arm(source, workdir, mined)
+    assert len(rounds) == 7
 
 
 def test_the_ablation_prints_both_arms_on_the_larger_sample_with_the_paired_bootstrap(
@@ -312,8 +321,8 @@ def test_teacher_data_goes_to_the_focus_easiest_slices_in_reach() -> None:
 
 
 def test_focus_holds_only_while_the_champion_solves_nothing() -> None:
-    """From a base model that solves no slice, `focus` slices are taught; once the champion solves one,
-    every unsolved slice in reach is (out of reach still waits)."""
+    """From a base model that solves no slice, `focus` slices are taught; once the champion solves one
+    (learnable or mastered), every unsolved slice in reach is (out of reach still waits)."""
     swe = ("off_by_one", "wrong_operator", "wrong_condition")
     families = {"tool_use_chain": CATEGORIES, "swe_bench": swe, "long_horizon": ("library", "cli_tool", "data_utils")}
     config = CurriculumConfig(z=1.0, focus=3)
@@ -328,6 +337,8 @@ def test_focus_holds_only_while_the_champion_solves_nothing() -> None:
     assert taught({("todo_report", "easy"): (0, 2)}) == easy
     in_reach = (easy - {("tool_use_chain", "todo_report/easy")}) | {("swe_bench", f"{c}/easy") for c in swe}
     assert taught({("todo_report", "easy"): (1, 2)}) == in_reach  # Learnable now: five taught, not three.
+    mastered = in_reach | {("tool_use_chain", "todo_report/medium")}  # Unlocked by the mastered easy slice.
+    assert taught({("todo_report", "easy"): (3, 3)}) == mastered
 
 
 def test_a_teacher_group_floor_teaches_as_many_unsolved_slices_as_the_budget_gives_it() -> None:
@@ -360,6 +371,15 @@ def test_a_teacher_group_floor_teaches_as_many_unsolved_slices_as_the_budget_giv
     assert taught(seen) == dict.fromkeys(expected, 8)
     waiting = [row["slice"] for spec in seen.values() for row in spec["slices"] if "focus of 3" in row.get("waits", "")]
     assert sorted(waiting) == ["lookup_price/easy", "wrong_condition/easy", "wrong_operator/easy"]
+    # Learnable slices count by their weight: three nearly solved ones (2 of 2: 0.56 each) leave room
+    # for two unsolved slices at 8 groups, where counting them as 1 each would leave one.
+    script = {("todo_report", "easy"): (2, 2), ("line_count", "easy"): (2, 2), ("csv_summary", "easy"): (0, 2)}
+    swe_seen = {("off_by_one", "easy"): (2, 2), ("wrong_operator", "easy"): (0, 4)}
+    rows = outcomes(script) + outcomes(swe_seen, "swe_bench")
+    nearly = build_curriculum(rows, six, config=floor)
+    plan_generation(nearly, groups=32, config=floor, max_turns=6)
+    taught_classes = Counter(row["class"] for spec in nearly.values() for row in spec["slices"] if row["groups"])
+    assert taught_classes == {"learnable": 3, "unsolved": 2}
     # A budget under the floor: the single easiest slice gets all of it.
     small = build_curriculum([], families, config=floor)
     plan_generation(small, groups=4, config=floor, max_turns=6)
