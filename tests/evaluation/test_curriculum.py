@@ -264,8 +264,16 @@ def test_unsolved_slices_get_teacher_demonstrations(tmp_path, tiny_model) -> Non
 
 def test_a_small_budget_spreads_over_every_env() -> None:
     families = {env: CATEGORIES for env in ("a", "b", "c", "d")}  # 12 unsolved easy slices, 8 groups.
-    plan = plan_generation(build_curriculum([], families), groups=8)
+    curriculum = build_curriculum([], families)
+    plan = plan_generation(curriculum, groups=8)
     assert {env: part["teacher"]["groups"] for env, part in plan.items()} == {"a": 2, "b": 2, "c": 2, "d": 2}
+    left = [
+        row
+        for spec in curriculum.values()
+        for row in spec["slices"]
+        if row["class"] == "unsolved" and not row["groups"]
+    ]
+    assert len(left) == 4 and all(row["waits"].startswith("no group left") for row in left)  # Each says why.
 
 
 def test_an_env_without_categories_is_one_slice_that_gets_its_share() -> None:
