@@ -17,8 +17,8 @@ candidates, and the totals. Two held-out items a slice cannot tell the arms apar
 candidates then answer a larger sample of the weak slices from the same eval seed stream
 (`--weak-items` a slice, the same items for both) and the gate's paired bootstrap gives P(mined
 better) on it. `--workdir` keeps each arm's store there, and an arm that finished (with its larger
-sample) is reused: two processes with `--arm mined` and `--arm uniform` run the arms at once (a
-round keeps 2 cores only ~1.4 busy), and a last run without `--arm` prints both.
+sample) is reused: `--arm mined` and `--arm uniform` run one arm each (as separate processes, on a
+machine with the cores for both at once), and a last run without `--arm` prints both.
 """
 
 from __future__ import annotations
