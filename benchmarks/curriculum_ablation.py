@@ -91,7 +91,8 @@ def run_arm(source: Path, workdir: Path, p: RoundProfile) -> tuple[ArtifactStore
     else:
         wanted["profile"] = p.model_dump()
         wanted["plan"] = plan_round(round_1.read_json("weaknesses/weaknesses-r1", "curriculum.json"), p)
-    if copy.exists() and record.exists() and json.loads(record.read_text()) == json.loads(json.dumps(wanted)):
+    text = json.dumps(wanted)
+    if copy.exists() and record.exists() and record.read_text() == text:
         store = ArtifactStore(copy)
         if store.try_resolve("report/round-2") is not None:
             print(f"{p.curriculum} arm: round 2 already finished in {copy}")
@@ -101,7 +102,7 @@ def run_arm(source: Path, workdir: Path, p: RoundProfile) -> tuple[ArtifactStore
         shutil.rmtree(copy)
     shutil.rmtree(weak_eval_folder(workdir, p.curriculum), ignore_errors=True)
     shutil.copytree(source, copy)
-    record.write_text(json.dumps(wanted))
+    record.write_text(text)
     store = ArtifactStore(copy)
     run_round(store, 2, p, plain_stage(store, p))
     return store, store.resolve("eval/agentic-r2")

@@ -137,8 +137,8 @@ class RoundProfile(BaseModel):
 # CPU rounds hold out about two items per slice: 68 % intervals (z = 1) let 3 of 3 master a slice
 # and 0 of 3 mark it unsolved, where 95 % would need 9 of 9. From the base model, which solves
 # nothing, three slices are taught (`focus`: four scored 0.17 against 0.25, docs/runs.md); once the
-# champion solves some, every unsolved slice in reach (a focus of 3 there taught one swe_bench category and
-# lost all three to a uniform mix that taught them thinly; README, Benchmarks).
+# champion solves some, every unsolved slice in reach (a focus of 3 there taught one swe_bench
+# category and lost all three to a uniform mix that taught them thinly; README, Benchmarks).
 CPU_CURRICULUM = CurriculumConfig(z=1.0, focus=3)
 
 PROFILES: dict[str, RoundProfile] = {
