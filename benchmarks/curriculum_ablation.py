@@ -34,8 +34,9 @@ from data import ArtifactStore
 from environments.task_stream import DIFFICULTIES
 from evaluation.gate import decide, paired_outcomes
 from flows.flywheel import completed_rounds, plain_stage, plan_round, planned_groups, run_round, sft_steps
-from flows.profiles import PROFILES, RoundProfile
+from flows.round_config import RoundConfig, overridden, profile, profile_names
 from flows.stages import STAGES
+from flows.work import round_name
 from training.models import resolve_model
 
 ARMS = ("mined", "uniform")
@@ -66,41 +67,45 @@ def slice_success(store: ArtifactStore, eval_ref: str, slices: set[str]) -> dict
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def arm_profile(source: ArtifactStore, p: RoundProfile, arm: str) -> RoundProfile:
-    """The profile of an arm: the mined arm's as is; the uniform arm's with the groups and SFT steps
-    that round 1's mined curriculum plans for round 2 (its replay comes on top of `groups`)."""
+def arm_config(source: ArtifactStore, p: RoundConfig, arm: str) -> RoundConfig:
+    """The round config of an arm: the mined arm's as is; the uniform arm's with the groups and SFT
+    steps that round 1's mined curriculum plans for round 2 (its replay comes on top of `groups`)."""
     if arm == "mined":
-        return p.model_copy(update={"curriculum": "mined"})
+        return overridden(p, {"curriculum.mode": "mined"})
     plan, _ = plan_round(source.read_json("weaknesses/weaknesses-r1", "curriculum.json"), p)
-    budget = {"groups": max(planned_groups(plan), p.groups), "sft_steps": sft_steps(plan, p) or p.sft_steps}
-    return p.model_copy(update={"curriculum": "uniform", **budget})
+    budget = {
+        "generate.groups": max(planned_groups(plan), p.generate.groups),
+        "sft.total_steps": sft_steps(plan, p) or p.sft.total_steps,
+    }
+    return overridden(p, {"curriculum.mode": "uniform", **budget})
 
 
-def run_arm(source: Path, workdir: Path, p: RoundProfile) -> tuple[ArtifactStore, str]:
+def run_arm(source: Path, workdir: Path, p: RoundConfig) -> tuple[ArtifactStore, str]:
     """Round 2 on a copy of the round-1 store in `workdir`; the candidate's agentic eval id. A copy
-    whose round 2 finished from this round 1 with this very profile is reused; any other copy is
+    whose round 2 finished from this round 1 with this very config is reused; any other copy is
     started again (and the larger sample of its candidate dropped). The uniform arm's round reads no
     curriculum settings (only its budget comes from the mined plan), so they are left out of its
     record; the mined arm's record holds its generation plan and GRPO mix, so a change to the
     curriculum's code re-runs it too."""
-    copy, record = workdir / p.curriculum, workdir / f"{p.curriculum}-round.json"
+    arm = p.curriculum.mode
+    copy, record = workdir / arm, workdir / f"{arm}-round.json"
     round_1 = ArtifactStore(source)
     wanted = {"round_1": round_1.resolve("weaknesses/weaknesses-r1")}
-    if p.curriculum == "uniform":
-        wanted["profile"] = p.model_dump(exclude={"curriculum_config"})
+    if arm == "uniform":
+        wanted["config"] = p.model_dump(exclude={"curriculum"})
     else:
-        wanted["profile"] = p.model_dump()
+        wanted["config"] = p.model_dump()
         wanted["plan"] = plan_round(round_1.read_json("weaknesses/weaknesses-r1", "curriculum.json"), p)
     text = json.dumps(wanted)
     if copy.exists() and record.exists() and record.read_text() == text:
         store = ArtifactStore(copy)
-        if store.try_resolve("report/round-2") is not None:
-            print(f"{p.curriculum} arm: round 2 already finished in {copy}")
+        if store.try_resolve(f"report/{round_name('report', 2)}") is not None:
+            print(f"{arm} arm: round 2 already finished in {copy}")
             return store, store.resolve("eval/agentic-r2")
     if copy.exists():
-        print(f"{p.curriculum} arm: {copy} holds no finished round 2 of this round 1 and profile; starting again")
+        print(f"{arm} arm: {copy} holds no finished round 2 of this round 1 and config; starting again")
         shutil.rmtree(copy)
-    shutil.rmtree(weak_eval_folder(workdir, p.curriculum), ignore_errors=True)
+    shutil.rmtree(weak_eval_folder(workdir, arm), ignore_errors=True)
     shutil.copytree(source, copy)
     record.write_text(text)
     store = ArtifactStore(copy)
@@ -113,21 +118,21 @@ def weak_eval_folder(workdir: Path, arm: str) -> Path:
     return workdir / f"weak-{arm}"
 
 
-def finished_mined_arm(source: ArtifactStore, path: Path, profile: str) -> tuple[ArtifactStore, str]:
+def finished_mined_arm(source: ArtifactStore, path: Path, name: str) -> tuple[ArtifactStore, str]:
     """The mined arm from a store that went on from `source`'s round 1 to round 2 with the mined
     curriculum; refused unless its round 1 is `source`'s (the same weaknesses artifact)."""
     store = ArtifactStore(path)
     if store.try_resolve("weaknesses/weaknesses-r1") != source.resolve("weaknesses/weaknesses-r1"):
         raise SystemExit(f"error: {path} did not go on from round 1 of {source.url} (another weaknesses-r1)")
-    if store.try_resolve("report/round-2") is None:
+    if store.try_resolve(f"report/{round_name('report', 2)}") is None:
         raise SystemExit(f"error: {path} has no report of round 2")
     spec = store.manifest("weaknesses/weaknesses-r2").params.get("curriculum")  # Recorded by a mined round only.
-    if spec is None or spec["groups"] != PROFILES[profile].groups:
-        raise SystemExit(f"error: round 2 in {path} did not run profile {profile} with the mined curriculum")
+    if spec is None or spec["groups"] != profile(name).generate.groups:
+        raise SystemExit(f"error: round 2 in {path} did not run profile {name} with the mined curriculum")
     return store, store.resolve("eval/agentic-r2")
 
 
-def weak_profile(p: RoundProfile, weak: set[str], per_slice: int) -> RoundProfile:
+def weak_config(p: RoundConfig, weak: set[str], per_slice: int) -> RoundConfig:
     """`p` evaluating only the weak slices' envs, categories and (when they share one) difficulty,
     with about `per_slice` items a weak slice (the held-out stream is stratified over the slices)."""
     parts = [key.split("/") for key in weak]
@@ -135,21 +140,21 @@ def weak_profile(p: RoundProfile, weak: set[str], per_slice: int) -> RoundProfil
     categories = sorted({category for _, category, _ in parts})
     difficulties = {difficulty for _, _, difficulty in parts}
     difficulty = difficulties.pop() if len(difficulties) == 1 else None
-    sample = p.model_copy(update={"envs": envs, "categories": categories, "difficulty": difficulty})
+    sample = overridden(p, {"envs": envs, "categories": categories, "difficulty": difficulty})
     widest = max(len(covered) or 1 for covered in sample.families().values())
     size = per_slice * widest * (1 if difficulty else len(DIFFICULTIES))
-    return sample.model_copy(update={"eval_size": size})
+    return overridden(sample, {"eval.eval_size": size})
 
 
-def weak_slice_eval(store: ArtifactStore, eval_store: ArtifactStore, p: RoundProfile, name: str) -> str:
-    """The arm's round-2 candidate evaluated with profile `p` into `eval_store` as `eval/<name>`
+def weak_slice_eval(store: ArtifactStore, eval_store: ArtifactStore, p: RoundConfig, name: str) -> str:
+    """The arm's round-2 candidate evaluated with config `p` into `eval_store` as `eval/<name>`
     (reused when there); the eval's id."""
     if (done := eval_store.try_resolve(f"eval/{name}")) is not None:
         return done
     candidate = store.read_json("gate/gate-r2", "decision.json")["candidate"]
     model_dir = resolve_model(candidate, store)
     params = STAGES["evaluate"].params(
-        store_url=eval_store.root_url, profile=p, round_no=2, model=str(model_dir), name=name
+        store_url=eval_store.root_url, config=p, round_no=2, model=str(model_dir), name=name
     )
     return STAGES["evaluate"].work(params).id
 
@@ -157,7 +162,7 @@ def weak_slice_eval(store: ArtifactStore, eval_store: ArtifactStore, p: RoundPro
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", default=".flywheel", help="a local store where round 1 has finished")
-    parser.add_argument("--profile", default="default", choices=sorted(PROFILES))
+    parser.add_argument("--profile", default="default", choices=profile_names())
     parser.add_argument("--mined-from", type=Path, help="a store whose round 2 followed this round 1 (mined)")
     parser.add_argument("--weak-items", type=int, default=8, help="items a weak slice in the larger sample (0: none)")
     parser.add_argument("--workdir", type=Path, help="keep the arms' stores here and reuse finished ones")
@@ -170,15 +175,15 @@ def main() -> None:
     if completed_rounds(source_store) != 1:
         parser.error(f"{source} must hold exactly round 1 (a report of round 1 and none of round 2)")
     weak = weak_slices(source_store)
-    sample = weak_profile(PROFILES[args.profile], weak, args.weak_items) if args.weak_items else None
+    sample = weak_config(profile(args.profile), weak, args.weak_items) if args.weak_items else None
     results, overall, larger = {}, {}, {}
     workdir = tempfile.TemporaryDirectory(prefix="ablation-") if args.workdir is None else nullcontext(args.workdir)
     with workdir as folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
         for arm in [args.arm] if args.arm else ARMS:
-            p = arm_profile(source_store, PROFILES[args.profile], arm)
+            p = arm_config(source_store, profile(args.profile), arm)
             if arm == "uniform":
-                print(f"uniform arm: {p.groups} groups, {p.sft_steps} SFT steps (the mined plan's)")
+                print(f"uniform arm: {p.generate.groups} groups, {p.sft.total_steps} SFT steps (the mined plan's)")
             if arm == "mined" and args.mined_from:
                 store, eval_id = finished_mined_arm(source_store, args.mined_from, args.profile)
             else:

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from flows.local_server import local_server
-from flows.profiles import PROFILES, RoundProfile
+from flows.round_config import RoundConfig, profile, profile_names
 
 
-def plain_round(store_url: str, p: RoundProfile, seconds: dict[str, float] | None = None) -> str:
+def plain_round(store_url: str, p: RoundConfig, seconds: dict[str, float] | None = None) -> str:
     """Round 1 (and round 0 before it) through `run_round`, each stage its library calls, no orchestration;
     `seconds` gets each stage's wall time (`<stage>-r<round>`)."""
     from data import ArtifactStore
@@ -69,10 +69,10 @@ def flows_round(profile: str, store_url: str, **options: Any) -> tuple[float, di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", default="quick", choices=sorted(PROFILES))
+    parser.add_argument("--profile", default="quick", choices=profile_names())
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
-    p = PROFILES[args.profile]
+    p = profile(args.profile)
     with tempfile.TemporaryDirectory() as tmp, local_server(Path(tmp, "prefect")) as env:
         os.environ.update({k: v for k, v in env.items() if k.startswith("PREFECT_")})
         os.environ.setdefault("FLYWHEEL_CACHE", str(Path(tmp, "cache")))

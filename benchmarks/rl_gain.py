@@ -21,7 +21,7 @@ from typing import Any
 
 from data import ArtifactStore
 from flows import work
-from flows.profiles import PROFILES
+from flows.round_config import load_round_config, profile_names
 from training.models import base_model
 
 
@@ -30,22 +30,24 @@ def main() -> None:
     parser.add_argument("--store", default=None, help="artifact store (default: $FLYWHEEL_STORE or ./.flywheel)")
     parser.add_argument("--sft", default=None, help="SFT checkpoint ref to start from (default: make one)")
     parser.add_argument("--rl", default=None, help="GRPO checkpoint ref trained from --sft (default: train one)")
-    parser.add_argument("--profile", default="default", choices=sorted(PROFILES))
+    parser.add_argument("--profile", default="default", choices=profile_names())
     parser.add_argument("--rl-steps", type=int, default=6)
     parser.add_argument("--env", default=None)
     parser.add_argument("--categories", default=None, help="comma-separated (default: the profile's)")
     parser.add_argument("--difficulty", default=None)
     parser.add_argument("--eval-size", type=int, default=None)
     args = parser.parse_args()
-    changes: dict[str, Any] = {"rl_steps": args.rl_steps}
-    for field, value in (("env", args.env), ("difficulty", args.difficulty), ("eval_size", args.eval_size)):
-        if value is not None:
-            changes[field] = value
-    if args.categories is not None:
-        changes["categories"] = args.categories.split(",")
-    p = PROFILES[args.profile].model_copy(update=changes)
+    fields = {
+        "envs": args.env and [args.env],
+        "difficulty": args.difficulty,
+        "eval.eval_size": args.eval_size,
+        "categories": args.categories and args.categories.split(","),
+    }
+    changes = [f"rl.total_steps={args.rl_steps}"]
+    changes += [f"{field}={json.dumps(value)}" for field, value in fields.items() if value is not None]
+    p = load_round_config(args.profile, overrides=changes)
     store = ArtifactStore(args.store)
-    common: dict[str, Any] = {"store_url": store.root_url, "round_no": 90, "profile": p}
+    common: dict[str, Any] = {"store_url": store.root_url, "round_no": 90, "config": p}
     if args.sft:
         sft_id = store.resolve(args.sft)
     else:
@@ -61,7 +63,7 @@ def main() -> None:
         rl = work.rl(work.RLParams(**common, policy=sft_id))
     sft_eval = work.evaluate(work.EvaluateParams(**common, model=sft_id, name="rl-gain-sft"))
     rl_eval = work.evaluate(work.EvaluateParams(**common, model=rl.id, name="rl-gain-grpo"))
-    report(store, sft_id, rl, sft_eval, rl_eval, f"profile {args.profile}, {p.env} {p.categories or 'all'}")
+    report(store, sft_id, rl, sft_eval, rl_eval, f"profile {args.profile}, {p.envs} {p.categories or 'all'}")
 
 
 def report(store: ArtifactStore, sft_id: str, rl: Any, sft_eval: Any, rl_eval: Any, title: str) -> None:

@@ -32,7 +32,7 @@ import httpx
 from data import ArtifactStore
 from environments.registry import TASK_FAMILIES, env_class
 from evaluation.agentic import AgenticEvalConfig, run_agentic_eval
-from flows.profiles import PROFILES
+from flows.round_config import profile
 from inference import ModelServer, ServerConfig
 from training.models import resolve_model
 
@@ -84,10 +84,10 @@ async def answer_all(
 def agentic_eval(base_url: str, model: str, model_dir: str, eval_size: int, concurrency: int) -> dict[str, Any]:
     """Wall seconds, success rate and a digest of every reply of one agentic evaluation (the default
     round's turn and reply caps) against the server."""
-    round_caps = PROFILES["default"]
+    round_caps = profile("default")
     cfg = AgenticEvalConfig(
         base_url=base_url, model_name=model, tokenizer=model_dir, eval_size=eval_size, concurrency=concurrency,
-        max_agent_turns=round_caps.max_turns, max_token_length=round_caps.max_tokens,
+        max_agent_turns=round_caps.max_agent_turns, max_token_length=round_caps.max_token_length,
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         store = ArtifactStore(tmp)

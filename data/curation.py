@@ -318,9 +318,9 @@ def eval_texts(store: Any) -> tuple[list[str], set[str], list[str]]:
 
 
 def curate_to_store(
-    store: Any, rollout_refs: list[str], name: str, config: CurationConfig | None = None
+    store: Any, rollout_refs: list[str], sft_name: str, pairs_name: str, config: CurationConfig | None = None
 ) -> tuple[Any, Any]:
-    """Curate rollout artifacts into `dataset/<name>-sft` and `dataset/<name>-pairs` (with data cards)."""
+    """Curate rollout artifacts into `dataset/<sft_name>` and `dataset/<pairs_name>` (with data cards)."""
     config = config or CurationConfig()
     groups = [group for ref in rollout_refs for group in read_groups(store, ref)]
     # Groups are written in completion order; sorting makes the dataset (its hash, so every cache
@@ -333,7 +333,7 @@ def curate_to_store(
     common = {"parents": parents, "params": config.model_dump(), "metrics": card}
     sft = store.put(
         "dataset",
-        f"{name}-sft",
+        sft_name,
         {
             "train.jsonl": _jsonl(result.sft),
             "data_card.json": json.dumps(card, indent=2),
@@ -343,7 +343,7 @@ def curate_to_store(
     )
     pairs = store.put(
         "dataset",
-        f"{name}-pairs",
+        pairs_name,
         {"train.jsonl": _jsonl(result.pairs), "data_card.json": json.dumps(card, indent=2)},
         **common,
     )

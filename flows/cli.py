@@ -13,12 +13,13 @@ import functools
 import inspect
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -36,6 +37,9 @@ from inference import ModelServer, ServerConfig, ServerError, build_command, cha
 from training import BUILTIN_MODELS, ModelError, prepare_model, resolve_model
 from training.config import ConfigError
 from training.models import default_cache_dir
+
+if TYPE_CHECKING:
+    from flows.round_config import RoundConfig
 
 app = typer.Typer(help="A data flywheel for tool-using LLM agents.")
 model_app = typer.Typer(help="Prepare built-in models.")
@@ -447,45 +451,69 @@ def report(
 # -- the flywheel --------------------------------------------------------------------------------
 
 
+ProfileOption = Annotated[
+    str | None,
+    typer.Option(help="Shipped round config (flows/profiles/): default | quick | tiny | h100 [default: default].",
+                 show_default=False),
+]  # fmt: skip
+RoundConfigOption = Annotated[
+    Path | None, typer.Option("--config", help="Round YAML, layered over --profile when one is named.")
+]
+DeviceOption = Annotated[str | None, typer.Option(help="cpu | cuda | auto: where GPU stages run (device=...).")]
+
+
+def _round_config(
+    profile: str | None, config: Path | None, overrides: list[str] | None, device: str | None
+) -> RoundConfig:
+    """The round config the options and `key=value` overrides describe (`--device X` is `device=X`)."""
+    from flows.round_config import load_round_config
+
+    return load_round_config(profile, config, [*(overrides or []), *([f"device={device}"] if device else [])])
+
+
 @app.command("plan")
 def plan(
-    profile: Annotated[str, typer.Option(help="Round profile: default | quick | tiny | h100.")] = "default",
-    device: Annotated[str | None, typer.Option(help="cpu | cuda (default: the profile's; auto: what is here).")] = None,
-) -> None:
+    overrides: Overrides = None, profile: ProfileOption = None, config: RoundConfigOption = None,
+    device: DeviceOption = None,
+) -> None:  # fmt: skip
     """Print, as JSON, what each stage of a round would run (device, dtype, server, trainer, GPUs, pool)."""
-    if device not in (None, "auto", "cpu", "cuda"):  # Before the stages' imports (seconds): a typo answers at once.
-        raise ConfigError(f"unknown device '{device}': choose cpu, cuda or auto")
     from flows.plan import round_plan
 
-    _print_json(round_plan(profile, device))
+    _print_json(round_plan(_round_config(profile, config, overrides, device), profile))
 
 
 @app.command("round")
 def run_round(
+    overrides: Overrides = None,
+    profile: ProfileOption = None,
+    config: RoundConfigOption = None,
+    device: DeviceOption = None,
     rounds: Annotated[int, typer.Option(help="Rounds to run.")] = 1,
     quick: Annotated[bool, typer.Option(help="Profile `quick`: the tiny model, minutes instead of SmolLM2.")] = False,
-    profile: Annotated[str, typer.Option(help="default | quick | tiny | h100.")] = "default",
-    device: Annotated[str | None, typer.Option(help="cpu | cuda | auto: where GPU stages run.")] = None,
     dispatch: Annotated[str, typer.Option(help="local (in-process) | deployments (each stage on its pool).")] = "local",
     first_round: Annotated[
         int | None, typer.Option(help="Start here (default: after the last finished round).")
     ] = None,
+    show_config: Annotated[bool, typer.Option(help="Print the resolved round config as YAML and exit.")] = False,
 ) -> None:
-    """Run flywheel rounds (Prefect flow `flywheel`); a re-run skips the stages that already finished."""
-    from flows.flywheel import flywheel
-    from flows.profiles import PROFILES
+    """Run flywheel rounds (Prefect flow `flywheel`); a re-run skips the stages that already finished.
 
-    profile = "quick" if quick else profile
-    if profile not in PROFILES:
-        raise ConfigError(f"unknown profile '{profile}': choose {', '.join(PROFILES)}")
+    The round is `--profile` (default: `default`), then `--config FILE`, then `key=value` overrides
+    (`sft.total_steps=8`); `--show-config` prints every field with its description."""
+    from flows.round_config import config_yaml
+
     if dispatch not in ("local", "deployments"):
         raise ConfigError(f"unknown dispatch '{dispatch}': choose local or deployments")
-    if device not in (None, "auto", "cpu", "cuda"):
-        raise ConfigError(f"unknown device '{device}': choose cpu, cuda or auto")
-    sizes = PROFILES[profile].model_copy(update={"device": device}) if device else None
+    profile = "quick" if quick else profile
+    cfg = _round_config(profile, config, overrides, device)
+    if show_config:
+        sys.stdout.write(config_yaml(cfg) + "\n")
+        return
+    from flows.flywheel import flywheel
+
     report_id = flywheel(
-        rounds=rounds, profile=profile, store_url=state.store_url, dispatch=dispatch, first_round=first_round,
-        sizes=sizes,
+        rounds=rounds, profile=profile or (config.stem if config else "default"), store_url=state.store_url,
+        dispatch=dispatch, first_round=first_round, config=cfg,
     )  # fmt: skip
     store = state.store
     out = store.materialize(report_id, default_cache_dir() / "reports")
@@ -555,8 +583,9 @@ def _fail(message: str, code: int) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point: run the app; a bad command line ends as one line and exit 2, any other failure exit 1.
     The console command first re-executes itself under tcmalloc where it is installed (`flows.fast_malloc`)."""
-    if argv is None:
-        reexec_with_fast_malloc([sys.executable, "-m", "flows.cli", *sys.argv[1:]])
+    if argv is None:  # -P: a folder of the user's (`data/`, `flows/`) never shadows our packages.
+        os.environ["PYTHONSAFEPATH"] = "1"  # ... in any process the command starts either.
+        reexec_with_fast_malloc([sys.executable, "-P", "-m", "flows.cli", *sys.argv[1:]])
     try:
         result = typer.main.get_command(app).main(args=argv, prog_name="flywheel", standalone_mode=False)
     except typer.TyperException as err:  # Typer's vendored click: usage errors (exit_code 2), file errors (1).

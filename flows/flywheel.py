@@ -24,8 +24,9 @@ from evaluation.lm_eval_runner import model_ref_of
 from evaluation.weakness import stored_curriculum
 from flows import work
 from flows.dispatch import Dispatch, result_storage, run_stage
-from flows.profiles import PROFILES, ProfileName, RoundProfile
+from flows.round_config import RoundConfig, load_round_config
 from flows.stages import STAGES, evaluate, lm_eval
+from flows.work import round_name
 from training.config import ConfigError
 from training.models import base_model
 
@@ -35,10 +36,10 @@ logger = logging.getLogger(__name__)
 @flow(name="flywheel", flow_run_name="flywheel-{profile}")
 def flywheel(
     rounds: int = 1,
-    profile: ProfileName = "default",
+    profile: str = "default",
     store_url: str | None = None,
     dispatch: Dispatch = "local",
-    sizes: RoundProfile | None = None,
+    config: RoundConfig | None = None,
     first_round: int | None = None,
 ) -> str:
     """Run `rounds` flywheel rounds; returns the last report's artifact id.
@@ -46,13 +47,14 @@ def flywheel(
     Rounds continue after the last one with a report in the store (`first_round` overrides). A
     round's inputs come from the artifacts of the round before it (its gate decision and mined
     curriculum), so running a round again, after a crash or on purpose, meets the same cache keys
-    and skips every stage that already finished. `sizes` replaces the named profile's sizes.
+    and skips every stage that already finished. `config` (a whole round config, as
+    `flywheel round --config` resolves it) replaces the shipped profile named `profile`.
     """
     log = get_run_logger()
-    p = sizes or PROFILES[profile]
+    p = config or load_round_config(profile)
     store = ArtifactStore(store_url)
     cached_stage = run_stage.with_options(result_storage=result_storage(store))
-    common = {"store_url": store.root_url, "profile": p}  # Absolute: cache keys must not depend on the cwd.
+    common = {"store_url": store.root_url, "config": p}  # Absolute: cache keys must not depend on the cwd.
 
     def stage(name: str, /, **fields: Any) -> str:
         return cached_stage(name, STAGES[name].params(**common, **fields), dispatch)
@@ -70,41 +72,43 @@ StageCall = Callable[..., str]
 """`stage(name, /, **fields) -> artifact id`: runs stage `name` with its params built from `fields`."""
 
 
-def plain_stage(store: ArtifactStore, p: RoundProfile) -> StageCall:
+def plain_stage(store: ArtifactStore, p: RoundConfig) -> StageCall:
     """Stages as their plain library calls, no Prefect and no cache (the benchmarks' rounds)."""
 
     def stage(name: str, /, **fields: Any) -> str:
-        return STAGES[name].work(STAGES[name].params(store_url=store.root_url, profile=p, **fields)).id
+        return STAGES[name].work(STAGES[name].params(store_url=store.root_url, config=p, **fields)).id
 
     return stage
 
 
-def run_round(store: ArtifactStore, n: int, p: RoundProfile, stage: StageCall) -> tuple[str, dict[str, Any]]:
+def run_round(store: ArtifactStore, n: int, p: RoundConfig, stage: StageCall) -> tuple[str, dict[str, Any]]:
     """Round n's stages in order (round 0's first: judge and mine the starting model); the report's id
     and the gate's decision. The one round body: the flow passes cached Prefect stages, the overhead
     benchmark the plain library calls."""
 
-    def judge(round_no: int, model: str, tag: str) -> list[str]:
-        """The agentic held-out evaluation and the lm-eval benchmarks of `model`."""
-        agentic = stage("evaluate", round_no=round_no, model=model, name=f"agentic-{tag}")
-        return [agentic, stage("lm_eval", round_no=round_no, model=model, name=f"lm-eval-{tag}")]
+    def judge(round_no: int, model: str, who: str = "") -> list[str]:
+        """The agentic held-out evaluation and the lm-eval benchmarks of `model` (`who`: `-champion`
+        for the champion judged again beside the round's candidate)."""
+        agentic = stage("evaluate", round_no=round_no, model=model, name=round_name(f"agentic{who}", round_no))
+        return [agentic, stage("lm_eval", round_no=round_no, model=model, name=round_name(f"lm-eval{who}", round_no))]
 
-    if n == 1 and store.try_resolve("gate/gate-r0") is None:  # Judge the starting model, so the gate has a bar.
+    gate_r0 = f"gate/{round_name('gate', 0)}"
+    if n == 1 and store.try_resolve(gate_r0) is None:  # Judge the starting model, so the gate has a bar.
         start = store.try_resolve("champion", f"model/{p.model}") or base_model(p.model, store).id
-        stage("gate", round_no=0, evals=judge(0, start, "base"), candidate=start)
-    if n == 1 and store.try_resolve("weaknesses/weaknesses-r0") is None:  # Round 1's curriculum.
-        stage("mine", round_no=0, evals=store.read_json("gate/gate-r0", "decision.json")["candidate_evals"])
+        stage("gate", round_no=0, evals=judge(0, start), candidate=start)
+    if n == 1 and store.try_resolve(f"weaknesses/{round_name('weaknesses', 0)}") is None:  # Round 1's curriculum.
+        stage("mine", round_no=0, evals=store.read_json(gate_r0, "decision.json")["candidate_evals"])
     start = round_inputs(store, n, p)
     plan, rl_mix = plan_round(start.curriculum, p) if start.curriculum is not None else (None, None)
     rollouts = stage("generate", round_no=n, tokenizer_model=start.base, plan=plan)
     dataset = stage("curate", round_no=n, rollouts=rollouts)
     sft_ckpt = stage("sft", round_no=n, base=start.base, dataset=dataset, steps=sft_steps(plan, p))
     rl_ckpt = stage("rl", round_no=n, policy=sft_ckpt, task_mix=rl_mix)
-    evals = judge(n, rl_ckpt, f"r{n}")
+    evals = judge(n, rl_ckpt)
     champion_evals = start.base_evals
     if not shares_items(store, evals, champion_evals):
         logger.info("round %d: the champion's evals share no item with the candidate's: judging it again", n)
-        champion_evals = judge(n, start.base, f"champion-r{n}")
+        champion_evals = judge(n, start.base, "-champion")
     decision_id = stage(
         "gate", round_no=n, evals=evals, candidate=rl_ckpt, champion=start.base, champion_evals=champion_evals
     )
@@ -115,20 +119,20 @@ def run_round(store: ArtifactStore, n: int, p: RoundProfile, stage: StageCall) -
     return stage("report", round_no=n, refs=round_refs(store, n)), decision
 
 
-def plan_round(curriculum: dict[str, Any], p: RoundProfile) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
-    """A mined curriculum's generation plan and GRPO task mix, planned with this profile's budget and
+def plan_round(curriculum: dict[str, Any], p: RoundConfig) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
+    """A mined curriculum's generation plan and GRPO task mix, planned with this round's budget and
     thresholds (on a copy: planning records weights and groups on the slices)."""
     slices = copy.deepcopy(curriculum["slices"])
-    plan = plan_generation(slices, p.groups, p.curriculum_config, p.max_turns)
-    return plan, grpo_mix(slices, p.curriculum_config)
+    plan = plan_generation(slices, p.generate.groups, p.curriculum, p.max_agent_turns)
+    return plan, grpo_mix(slices, p.curriculum)
 
 
-def sft_steps(plan: dict[str, Any] | None, p: RoundProfile) -> int | None:
-    """SFT steps for a plan larger than the profile's `groups` (mastered slices' replay comes on top):
-    `sft_steps` scaled by the plan's size, so each row is seen as often as in a round of `groups`
-    (the taught slices' script is learnt in ~2 epochs, garbled in under 1). None: the profile's."""
-    planned = planned_groups(plan)
-    return math.ceil(p.sft_steps * planned / p.groups) if planned > p.groups else None
+def sft_steps(plan: dict[str, Any] | None, p: RoundConfig) -> int | None:
+    """SFT steps for a plan larger than `generate.groups` (mastered slices' replay comes on top):
+    `sft.total_steps` scaled by the plan's size, so each row is seen as often as in a round of `groups`
+    (the taught slices' script is learnt in ~2 epochs, garbled in under 1). None: the config's."""
+    planned, groups = planned_groups(plan), p.generate.groups
+    return math.ceil(p.sft.total_steps * planned / groups) if planned > groups else None
 
 
 def planned_groups(plan: dict[str, Any] | None) -> int:
@@ -139,7 +143,7 @@ def planned_groups(plan: dict[str, Any] | None) -> int:
 def completed_rounds(store: ArtifactStore) -> int:
     """The last round with a report in the store (0: none)."""
     n = 0
-    while store.try_resolve(f"report/round-{n + 1}"):
+    while store.try_resolve(f"report/{round_name('report', n + 1)}"):
         n += 1
     return n
 
@@ -147,11 +151,12 @@ def completed_rounds(store: ArtifactStore) -> int:
 def round_refs(store: ArtifactStore, n: int) -> list[str]:
     """What round n's report is built from (the flow and `flywheel report N` alike): the round's
     rollouts, SFT set, checkpoints, the candidate's evals, the mined weaknesses and the gate decision."""
-    gate_id = store.try_resolve(f"gate/gate-r{n}")
+    gate_id = store.try_resolve(f"gate/{round_name('gate', n)}")
     if gate_id is None:
         raise StoreError(f"round {n} has no gate decision in {store.url}: did it finish its gate stage?")
     decision = store.read_json(gate_id, "decision.json")
-    made = (f"rollouts/round{n}", f"dataset/round{n}-sft", f"checkpoint/sft-r{n}", f"weaknesses/weaknesses-r{n}")
+    kinds = (("rollouts", "rollouts"), ("dataset", "sft"), ("checkpoint", "sft"), ("weaknesses", "weaknesses"))
+    made = tuple(f"{kind}/{round_name(what, n)}" for kind, what in kinds)
     found = {ref: store.try_resolve(ref) for ref in made}
     inputs = [found[ref] for ref in made[:3] if found[ref]]
     mined = [found[made[3]]] if found[made[3]] else []
@@ -164,15 +169,16 @@ class RoundInputs(NamedTuple):
     base: str  # The champion after round n-1.
     base_evals: list[str]  # Its evals, as mined in round n-1: the bar the candidate must clear.
     weaknesses: str | None  # Round n-1's weaknesses artifact.
-    curriculum: dict[str, Any] | None  # Its curriculum.json (None: none, or the profile's is uniform).
+    curriculum: dict[str, Any] | None  # Its curriculum.json (None: none, or the round's is uniform).
 
 
-def round_inputs(store: ArtifactStore, n: int, p: RoundProfile) -> RoundInputs:
+def round_inputs(store: ArtifactStore, n: int, p: RoundConfig) -> RoundInputs:
     """Round n's inputs from round n-1's gate decision and weaknesses artifact."""
     if n == 1:
-        gate_id, weaknesses = store.resolve("gate/gate-r0"), store.try_resolve("weaknesses/weaknesses-r0")
+        gate_id = store.resolve(f"gate/{round_name('gate', 0)}")
+        weaknesses = store.try_resolve(f"weaknesses/{round_name('weaknesses', 0)}")
     else:
-        report = store.try_resolve(f"report/round-{n - 1}")
+        report = store.try_resolve(f"report/{round_name('report', n - 1)}")
         if report is None:
             raise ConfigError(f"cannot start round {n}: {store.url} has no report of round {n - 1}")
         parents = {store.manifest(parent).kind: parent for parent in store.manifest(report).parents}
@@ -190,7 +196,7 @@ def round_inputs(store: ArtifactStore, n: int, p: RoundProfile) -> RoundInputs:
         base_evals = [ref for ref in mined.parents if store.manifest(ref).kind == "eval"]
     else:  # A store from before rounds were mined: the evals the gate recorded.
         base_evals = decision["candidate_evals"] if decision["promote"] else recorded_evals(store, base)
-    curriculum = stored_curriculum(store, mined.id) if mined is not None and p.curriculum == "mined" else None
+    curriculum = stored_curriculum(store, mined.id) if mined is not None and p.curriculum.mode == "mined" else None
     return RoundInputs(base, base_evals, weaknesses, curriculum)
 
 
@@ -198,15 +204,15 @@ def round_inputs(store: ArtifactStore, n: int, p: RoundProfile) -> RoundInputs:
 def eval_only(
     model: str = "champion",
     store_url: str | None = None,
-    profile: ProfileName = "default",
-    sizes: RoundProfile | None = None,
+    profile: str = "default",
+    config: RoundConfig | None = None,
 ) -> list[str]:
     """Agentic evaluation and lm-eval benchmarks of one model (a store ref such as `champion`, a built-in
     name or a local dir); returns both eval artifact ids."""
-    p = sizes or PROFILES[profile]
+    p = config or load_round_config(profile)
     store = ArtifactStore(store_url)
     ref = model_ref_of(store, model) or model
-    params = {"store_url": store_url, "round_no": 0, "profile": p, "model": ref}
+    params = {"store_url": store_url, "round_no": 0, "config": p, "model": ref}
     return [
         evaluate(work.EvaluateParams(**params, name=f"eval-{model}")),
         lm_eval(work.LMEvalParams(**params, name=f"lm-eval-{model}")),

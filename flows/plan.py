@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from flows import work
-from flows.profiles import PROFILES, RoundProfile
+from flows.round_config import RoundConfig
 from flows.stages import STAGES
 from inference import build_command
-from training.config import ConfigError
 from training.device import DeviceSettings, resolve_device
 from training.grpo import grpo_kwargs
 from training.launch import launch_command
@@ -22,20 +21,17 @@ from training.sft import sft_kwargs
 RUN_DIR = "logs/run-<stamp>-<name>/checkpoints"
 
 
-def round_plan(profile: str, device: str | None = None) -> dict[str, Any]:
-    """Every stage of a round of `profile` on `device` (None: the profile's, `auto` resolved here)."""
-    if profile not in PROFILES:
-        raise ConfigError(f"unknown profile '{profile}': choose {', '.join(PROFILES)}")
-    p = PROFILES[profile]
-    p = p.model_copy(update={"device": resolve_device(device or p.device)})
+def round_plan(config: RoundConfig, profile: str | None = None) -> dict[str, Any]:
+    """Every stage of a round of `config` (`auto` device resolved here); `profile` names it in the output."""
+    p = config.model_copy(update={"device": resolve_device(config.device)})
     settings = DeviceSettings.for_device(p.device)
-    common: dict[str, Any] = {"round_no": 1, "profile": p}
+    common: dict[str, Any] = {"round_no": 1, "config": p}
     sft = work.sft_config(work.SFTParams(**common, base=f"model/{p.model}", dataset="<round-1 SFT dataset>"))
     rl = work.rl_config(work.RLParams(**common, policy="<round-1 SFT checkpoint>"))
     server = work.server_config(p, f"<model/{p.model}>", planned=True)
     stages: dict[str, dict[str, Any]] = {name: _placement(name, p, settings) for name in STAGES}
-    stages["generate"] |= {"teacher": p.teacher, "envs": p.envs, "groups": p.groups, "curriculum": p.curriculum}
-    if p.teacher == "policy" or p.curriculum == "mined":  # Learnable slices: the round's model, served.
+    stages["generate"] |= {"envs": p.envs, **p.generate.model_dump(), "curriculum": p.curriculum.mode}
+    if p.generate.teacher == "policy" or p.curriculum.mode == "mined":  # Learnable slices: the round's model, served.
         stages["generate"] |= _served(server, settings)
     for name, cfg, kwargs, trainer in (
         ("sft", sft, sft_kwargs(sft, RUN_DIR), "trl.SFTTrainer"),
@@ -50,13 +46,13 @@ def round_plan(profile: str, device: str | None = None) -> dict[str, Any]:
             "launch": launch_command(cfg, f"<{name} config>.yaml", p.gpus) if p.gpus > 1 else None,
         }
     stages["rl"]["generation"] = f"vllm {rl.vllm_mode}" if rl.vllm() else "in-process (transformers generate)"
-    stages["evaluate"] |= _served(server, settings) | {"eval_size": p.eval_size, "max_turns": p.max_turns}
+    stages["evaluate"] |= _served(server, settings) | {**p.eval.model_dump(), "max_agent_turns": p.max_agent_turns}
     lm_eval = work.lm_eval_config(work.LMEvalParams(**common, model=f"model/{p.model}", name="lm-eval-r1"))
     stages["lm_eval"] |= {"config": lm_eval.model_dump(mode="json")}
     return {"profile": profile, "device": p.device, "model": p.model, "gpus": p.gpus, "stages": stages}
 
 
-def _placement(name: str, p: RoundProfile, settings: DeviceSettings) -> dict[str, Any]:
+def _placement(name: str, p: RoundConfig, settings: DeviceSettings) -> dict[str, Any]:
     """Where a stage runs: its work pool, device and GPUs (CPU stages run on CPU on any profile)."""
     gpu = STAGES[name].gpu
     return {"pool": STAGES[name].pool, "device": settings.device if gpu else "cpu", "gpus": p.gpus if gpu else 0}

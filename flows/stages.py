@@ -2,7 +2,7 @@
 
 A stage flow is its library calls (`flows/work.py`) plus what the UI shows: tables, markdown,
 links, progress. Stages take one Pydantic parameter (a form in the UI), pass artifact ids, never
-data, and return the id of the artifact they made. GPU stages hold `profile.gpus` slots of the
+data, and return the id of the artifact they made. GPU stages hold `config.gpus` slots of the
 global concurrency limit `gpu` while they run.
 
 `STAGES` is the one record of a stage - name, params, flow, pool - that the round, the cache
@@ -27,7 +27,7 @@ from evaluation.weakness import stored_curriculum
 from flows import work
 from flows.heartbeats import end_heartbeats_without_waiting
 from flows.infra import GPU_LIMIT, limit_exists
-from flows.profiles import RoundProfile
+from flows.round_config import RoundConfig
 from flows.ui import EvalProgress, ProgressArtifact, artifact_link, markdown, metrics_table, stage_run_name
 from flows.work import (
     CurateParams,
@@ -57,13 +57,13 @@ def stage_flow(name: str) -> Callable[[Callable[..., str]], Any]:
 
 
 @contextlib.contextmanager
-def gpu_slots(profile: RoundProfile) -> Iterator[None]:
-    """Hold `profile.gpus` slots of the `gpu` limit (a no-op where no such limit is configured).
+def gpu_slots(config: RoundConfig) -> Iterator[None]:
+    """Hold `config.gpus` slots of the `gpu` limit (a no-op where no such limit is configured).
 
     Whether the limit exists is read first: asking Prefect's slot service for a limit that does not
     exist cost ~2 s a GPU stage in a local round (py-spy, `benchmarks/orchestration_overhead.py`),
     where one read takes milliseconds."""
-    if profile.gpus == 0:
+    if config.gpus == 0:
         yield
         return
     with get_client(sync_client=True) as client:
@@ -71,7 +71,7 @@ def gpu_slots(profile: RoundProfile) -> Iterator[None]:
     if not limited:
         yield
         return
-    with concurrency(GPU_LIMIT, occupy=profile.gpus, strict=False):
+    with concurrency(GPU_LIMIT, occupy=config.gpus, strict=False):
         yield
 
 
@@ -105,7 +105,7 @@ def rl(params: RLParams) -> str:
 
 def _train(stage: str, params: SFTParams | RLParams, train: Callable[..., Manifest]) -> str:
     """A training stage on its GPU slots, its steps as a progress bar, a link to the checkpoint."""
-    with gpu_slots(params.profile):
+    with gpu_slots(params.config):
         progress = ProgressArtifact(f"{stage}-progress", f"{stage.upper()} steps, round {params.round_no}")
         manifest = train(params, callbacks=[progress])
     artifact_link(params.store(), manifest, f"{stage}-checkpoint")
@@ -115,7 +115,7 @@ def _train(stage: str, params: SFTParams | RLParams, train: Callable[..., Manife
 @stage_flow("evaluate")
 def evaluate(params: EvaluateParams) -> str:
     """Serve the model and run the agentic evaluation on the env's held-out tasks."""
-    with gpu_slots(params.profile):
+    with gpu_slots(params.config):
         manifest = work.evaluate(params, progress=EvalProgress(f"Agentic eval {params.name}, round {params.round_no}"))
     metrics_table(manifest, "eval-results", f"Agentic eval {params.name} of {params.model[:12]}")
     return manifest.id
@@ -123,17 +123,17 @@ def evaluate(params: EvaluateParams) -> str:
 
 @stage_flow("lm_eval")
 def lm_eval(params: LMEvalParams) -> str:
-    """lm-evaluation-harness on the model: the profile's tasks (the shipped suite by default)."""
-    with gpu_slots(params.profile):
+    """lm-evaluation-harness on the model: the round's tasks (the shipped suite by default)."""
+    with gpu_slots(params.config):
         manifest = work.lm_eval(params)
     metrics_table(manifest, "lm-eval-results", f"lm-eval {params.name} of {params.model[:12]}")
     return manifest.id
 
 
 @stage_flow("gate")
-def promote(params: GateParams) -> str:
+def gate(params: GateParams) -> str:
     """Promote the candidate to `champion` only when it wins (paired bootstrap + guards)."""
-    manifest = work.promote(params)
+    manifest = work.gate(params)
     decision = params.store().read_json(manifest.id, "decision.json")
     verdict = "**promoted**" if decision["promote"] else "**kept out**"
     markdown(
@@ -203,7 +203,7 @@ STAGES: dict[str, Stage] = {
         Stage("rl", RLParams, rl, work.rl, gpu=True),
         Stage("evaluate", EvaluateParams, evaluate, work.evaluate, gpu=True),
         Stage("lm_eval", LMEvalParams, lm_eval, work.lm_eval, gpu=True),
-        Stage("gate", GateParams, promote, work.promote),
+        Stage("gate", GateParams, gate, work.gate),
         Stage("mine", MineParams, mine, work.mine),
         Stage("report", ReportParams, report, work.report),
     )

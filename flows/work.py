@@ -18,13 +18,13 @@ from data import ArtifactStore, Manifest
 from data.costs import counting_process, track_costs
 from data.curation import curate_to_store
 from environments.generate import GenerationPart, generate_rollouts
-from evaluation.agentic import AgenticEvalConfig, Progress, run_agentic_eval
+from evaluation.agentic import Progress, run_agentic_eval
 from evaluation.curriculum import largest_remainder
-from evaluation.gate import gate
+from evaluation.gate import gate as run_gate
 from evaluation.lm_eval_runner import LMEvalConfig, model_ref_of, run_lm_eval
 from evaluation.report import build_report
 from evaluation.weakness import CurriculumSpec, mine_to_store
-from flows.profiles import RoundProfile
+from flows.round_config import RoundConfig
 from inference import ModelServer, ServerConfig
 from training.config import TrainConfig
 from training.device import DeviceSettings
@@ -43,7 +43,7 @@ class StageParams(BaseModel):
 
     store_url: str | None = Field(default=None, description="Artifact store (default: $FLYWHEEL_STORE or ./.flywheel).")
     round_no: int = Field(default=1, ge=0, description="Round number (run names, artifact names).")
-    profile: RoundProfile = Field(default_factory=RoundProfile, description="Sizes of the round.")
+    config: RoundConfig = Field(default_factory=RoundConfig, description="The round's config.")
 
     def store(self) -> ArtifactStore:
         return ArtifactStore(self.store_url)
@@ -64,7 +64,7 @@ class SFTParams(StageParams):
     base: str = Field(description="Model artifact id to fine-tune.")
     dataset: str = Field(description="SFT dataset artifact id.")
     steps: int | None = Field(
-        default=None, ge=1, description="SFT steps (None: the profile's `sft_steps`; a round scales them to its plan)."
+        default=None, ge=1, description="SFT steps (None: `sft.total_steps`; a round scales them to its plan)."
     )
 
 
@@ -109,7 +109,7 @@ class ReportParams(StageParams):
 def generate(params: GenerateParams) -> Manifest:
     """Rollouts in `process` mode as the curriculum's plan says: the teacher on unsolved slices, the
     round's base model, served, on learnable and (replayed) mastered ones; no plan: the teacher on all."""
-    p, store = params.profile, params.store()
+    p, store = params.config, params.store()
     model_dir = resolve_model(params.tokenizer_model, store)
     plan = uniform_plan(p) if params.plan is None else params.plan
     with contextlib.ExitStack() as stack:
@@ -117,12 +117,12 @@ def generate(params: GenerateParams) -> Manifest:
 
         def actor(source: str) -> dict[str, Any]:
             """How a part's actor is reached: the oracle, the endpoint teacher, or the served base model."""
-            who = p.teacher if source == "teacher" else "policy"
+            who = p.generate.teacher if source == "teacher" else "policy"
             if who == "oracle":
                 return {"teacher": "oracle"}
             if who == "endpoint":
-                return {"teacher": "server", "base_url": p.teacher_url, "model_name": p.teacher_model,
-                        "api_key_env": p.teacher_api_key_env}  # fmt: skip
+                assert p.generate.endpoint is not None  # GenerateSection's validator.
+                return {"teacher": "server", **p.generate.endpoint.model_dump()}
             if not served:  # The round's own model: the turns and reply caps it is judged with.
                 server = stack.enter_context(ModelServer(server_config(p, str(model_dir))))
                 stack.enter_context(counting_process(server.pid))
@@ -140,83 +140,54 @@ def generate(params: GenerateParams) -> Manifest:
                             env_config=_env_slice(p, env) | _turn_caps(p, source), **actor(source),
                         )
                     )  # fmt: skip
-        name = f"round{params.round_no}"
+        name = round_name("rollouts", params.round_no)
         return generate_rollouts(
-            store, parts, group_size=p.group_size, tokenizer=str(model_dir), seed=params.round_no, name=name
+            store, parts, group_size=p.generate.group_size, tokenizer=str(model_dir), seed=params.round_no, name=name
         )
 
 
-def uniform_plan(p: RoundProfile) -> dict[str, dict[str, Any]]:
+def uniform_plan(p: RoundConfig) -> dict[str, dict[str, Any]]:
     """No curriculum: the teacher on every slice of every env, the groups split evenly over the envs."""
-    shares = largest_remainder([1.0] * len(p.envs), p.groups)
+    shares = largest_remainder([1.0] * len(p.envs), p.generate.groups)
     return {env: {"teacher": {"groups": n, "mix": None}} for env, n in zip(p.envs, shares, strict=True) if n}
 
 
-def _env_slice(p: RoundProfile, env: str) -> dict[str, Any]:
+def _env_slice(p: RoundConfig, env: str) -> dict[str, Any]:
     """The round's task slice of `env`: its difficulty and categories."""
     return {"difficulty": p.difficulty, "categories": p.env_categories(env)}
 
 
-def _turn_caps(p: RoundProfile, source: str) -> dict[str, Any]:
+def _turn_caps(p: RoundConfig, source: str) -> dict[str, Any]:
     """A served model generates with the turns and reply caps it is judged with (the oracle needs none)."""
-    if source == "teacher" and p.teacher == "oracle":
+    if source == "teacher" and p.generate.teacher == "oracle":
         return {}
-    return {"max_token_length": p.max_tokens, "max_agent_turns": p.max_turns}
+    return {"max_token_length": p.max_token_length, "max_agent_turns": p.max_agent_turns}
 
 
 def curate(params: CurateParams) -> Manifest:
     """Rollouts -> SFT set (returned) and preference pairs, with their data cards."""
-    return curate_to_store(params.store(), [params.rollouts], f"round{params.round_no}")[0]
+    n = params.round_no
+    return curate_to_store(params.store(), [params.rollouts], round_name("sft", n), round_name("pairs", n))[0]
 
 
 def sft_config(params: SFTParams) -> SFTRunConfig:
-    """The SFT stage's run config: the profile's sizes on the profile's device (pure: `flywheel plan` shows it)."""
-    p = params.profile
-    return SFTRunConfig(
+    """The SFT stage's run config (pure: `flywheel plan` shows it)."""
+    return params.config.sft_run_config(
         policy_model=params.base,
         dataset=params.dataset,
-        total_steps=params.steps or p.sft_steps,
-        learning_rate=p.sft_lr,
-        batch_size=p.sft_batch_size,
-        gradient_accumulation_steps=p.sft_gradient_accumulation,
-        max_length=p.sft_max_length,
-        output_name=f"sft-r{params.round_no}",
-        **_hardware(p),
+        total_steps=params.steps,
+        output_name=round_name("sft", params.round_no),
     )
 
 
 def rl_config(params: RLParams) -> GRPORunConfig:
     """The RL stage's GRPO config (pure, like `sft_config`)."""
-    p = params.profile
-    return GRPORunConfig(
-        policy_model=params.policy,
-        envs=p.envs,
-        difficulty=p.difficulty,
-        categories=p.categories,
-        task_mix=params.task_mix,
-        screen_tasks=p.rl_screen if p.gpus <= 1 else 0,  # Screening runs in one process.
-        total_steps=p.rl_steps,
-        batch_size=p.rl_batch_size,
-        gradient_accumulation_steps=p.rl_gradient_accumulation,
-        num_rollouts_per_task=p.rl_group_size,
-        max_completion_length=p.rl_max_completion,
-        max_tool_calls=p.max_turns - 1,  # The turns and per-turn tokens evaluation gives: train as judged.
-        max_turn_tokens=p.max_tokens,
-        num_tasks=p.rl_tasks,
-        output_name=f"rl-r{params.round_no}",
-        **_hardware(p),
+    return params.config.rl_run_config(
+        policy_model=params.policy, task_mix=params.task_mix, output_name=round_name("rl", params.round_no)
     )
 
 
-def _hardware(p: RoundProfile) -> dict[str, Any]:
-    """Device, threads, memory and precision trade-offs, step checkpoints and multi-GPU sharding of a training stage."""
-    sharding = {"fsdp": True} if p.sharding == "fsdp" else {"deepspeed": p.sharding}
-    hardware = {"device": p.device, "num_threads": p.threads, "save_steps": p.save_steps}
-    hardware |= {"gradient_checkpointing": p.gradient_checkpointing, "mixed_precision": p.mixed_precision}
-    return hardware | (sharding if p.gpus > 1 else {})
-
-
-def server_config(p: RoundProfile, model_dir: str, planned: bool = False) -> ServerConfig:
+def server_config(p: RoundConfig, model_dir: str, planned: bool = False) -> ServerConfig:
     """How a stage serves a model: `vllm serve` across the stage's GPUs on CUDA, `transformers serve` on CPU
     (`planned`: for `flywheel plan`, whose model directory does not exist yet)."""
     settings = DeviceSettings.for_device(p.device)
@@ -249,38 +220,27 @@ def rl(params: RLParams, callbacks: list[Any] | None = None) -> Manifest:
 
 
 def _train(cfg: TrainConfig, params: StageParams, callbacks: list[Any] | None) -> Manifest:
-    """Train here, or launched with accelerate on the profile's GPUs (steps then show in the run log)."""
-    if params.profile.gpus > 1:
-        return launch(cfg, params.store(), params.profile.gpus)
+    """Train here, or launched with accelerate on the round.s GPUs (steps then show in the run log)."""
+    if params.config.gpus > 1:
+        return launch(cfg, params.store(), params.config.gpus)
     return run_training(cfg, params.store(), callbacks=callbacks)
 
 
 @track_costs()
 def evaluate(params: EvaluateParams, progress: Progress | None = None) -> Manifest:
     """Serve the model and run the agentic evaluation on the env's held-out tasks; `progress(env, done, total)`."""
-    p, store = params.profile, params.store()
+    p, store = params.config, params.store()
     model_dir = resolve_model(params.model, store)
     with ModelServer(server_config(p, str(model_dir))) as server, counting_process(server.pid):
-        cfg = AgenticEvalConfig(
-            envs=p.envs,
-            eval_size=p.eval_size,
-            difficulty=p.difficulty,
-            categories=p.categories,
-            max_token_length=p.max_tokens,
-            base_url=server.base_url,
-            model_name=server.model_name or "",
-            tokenizer=str(model_dir),
-            max_agent_turns=p.max_turns,
-            concurrency=p.eval_concurrency,
-            max_infra_failure_rate=p.max_infra_failure_rate,
-            name=params.name,
+        cfg = p.eval_config(
+            base_url=server.base_url, model_name=server.model_name or "", tokenizer=str(model_dir), name=params.name
         )
         return run_agentic_eval(cfg, store, model_ref_of(store, params.model), progress=progress)
 
 
 @track_costs()
 def lm_eval(params: LMEvalParams) -> Manifest:
-    """The profile's lm-eval tasks on the model: `hf` in this process on CPU, `vllm` on CUDA."""
+    """The round.s lm-eval tasks on the model: `hf` in this process on CPU, `vllm` on CUDA."""
     store = params.store()
     model_dir = resolve_model(params.model, store)
     return run_lm_eval(lm_eval_config(params), store, model_dir, model_ref_of(store, params.model))
@@ -289,42 +249,52 @@ def lm_eval(params: LMEvalParams) -> Manifest:
 def lm_eval_config(params: LMEvalParams) -> LMEvalConfig:
     """The lm-eval stage's config (pure: `flywheel plan` shows it). One GPU: the suites are small, and
     tensor parallelism over 8 would not divide most small models' attention heads."""
-    p = params.profile
+    p = params.config
     cuda = DeviceSettings.for_device(p.device).server_backend == "vllm"
-    return LMEvalConfig(
-        backend="vllm" if cuda else "hf",
-        tasks=p.lm_eval_tasks,
-        include_path=p.lm_eval_include_path,
-        suite_size=p.lm_eval_size,
-        limit=p.lm_eval_limit,
-        batch_size=p.lm_eval_batch_size,
-        name=params.name,
-    )
+    return p.lm_eval_config(backend="vllm" if cuda else "hf", name=params.name)
 
 
-def promote(params: GateParams) -> Manifest:
+def gate(params: GateParams) -> Manifest:
     """Promote the candidate to `champion` only when it wins (paired bootstrap + guards)."""
-    store, name = params.store(), f"gate-r{params.round_no}"
-    return gate(
-        store, params.evals, params.candidate, name=name, champion_evals=params.champion_evals, champion=params.champion
+    return run_gate(
+        params.store(),
+        params.evals,
+        params.candidate,
+        name=round_name("gate", params.round_no),
+        champion_evals=params.champion_evals,
+        champion=params.champion,
+        config=params.config.gate,
     )
 
 
 def mine(params: MineParams) -> Manifest:
     """Failure slices with confidence intervals -> the next round's curriculum."""
-    p = params.profile
+    p = params.config
     spec = None
-    if p.curriculum == "mined":
-        config = p.curriculum_config
+    if p.curriculum.mode == "mined":
         spec = CurriculumSpec(
-            families=p.families(), difficulty=p.difficulty, groups=p.groups, config=config, max_turns=p.max_turns
+            families=p.families(),
+            difficulty=p.difficulty,
+            groups=p.generate.groups,
+            config=p.curriculum,
+            max_turns=p.max_agent_turns,
         )
-    name = f"weaknesses-r{params.round_no}"
     return mine_to_store(
-        params.store(), params.evals, name=name, curriculum=spec, previous=params.previous, rollouts=params.rollouts
+        params.store(),
+        params.evals,
+        name=round_name("weaknesses", params.round_no),
+        curriculum=spec,
+        previous=params.previous,
+        rollouts=params.rollouts,
     )
 
 
 def report(params: ReportParams) -> Manifest:
     """The round's HTML report."""
-    return build_report(params.store(), params.refs, f"round-{params.round_no}")
+    return build_report(params.store(), params.refs, round_name("report", params.round_no))
+
+
+def round_name(what: str, round_no: int) -> str:
+    """The name of round `round_no`'s artifact `what` (`sft-r1`: `dataset/sft-r1`, `checkpoint/sft-r1`):
+    the one spelling of every round artifact."""
+    return f"{what}-r{round_no}"

@@ -140,9 +140,11 @@ class RunnerConfig(TrainConfig):
         default=None, description="Env -> 'category/difficulty' -> task weight (a round's curriculum)."
     )
     max_completion_length: int = Field(default=256, ge=8, description="Tokens per completion, tool output included.")
-    max_tool_calls: int = Field(default=8, ge=0, description="Tool-calling turns per rollout (env turns: this + 1).")
-    max_turn_tokens: int | None = Field(
-        default=None, ge=8, description="Tokens per model reply (None: the env's max_token_length)."
+    max_agent_turns: int = Field(
+        default=9, ge=1, description="Agent turns per rollout, capping the env's own (the env config's name)."
+    )
+    max_token_length: int | None = Field(
+        default=None, ge=8, description="Tokens per model reply (None: the env's own; the env config's name)."
     )
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature.")
     top_k: int = Field(default=10, ge=0, description="Top-k sampling (0: off); small models need it.")
@@ -218,8 +220,13 @@ def validate_config(model: type[BaseModel], data: dict[str, Any], path: str | Pa
             raise ConfigError(f"unknown field(s) {unknown}; known: {', '.join(model.model_fields)}")
         return model.model_validate(data)
     except ValidationError as err:
-        lines = [f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in err.errors()]
+        lines = [f"{'.'.join(map(str, e['loc'])) or 'config'}: {error_message(e)}" for e in err.errors()]
         raise ConfigError(f"invalid config {path or ''}: " + " | ".join(lines)) from err
+
+
+def error_message(error: Any) -> str:
+    """A pydantic error's message without its "Value error, " prefix."""
+    return str(error["msg"]).removeprefix("Value error, ")
 
 
 def _first_line(err: Exception) -> str:

@@ -344,7 +344,7 @@ def _screen(
 def policy_envs(
     cfg: RunnerConfig, envs: list[HermesAgentBaseEnv | str] | None, model_dir: Path, tokenizer: Any
 ) -> list[HermesAgentBaseEnv]:
-    """The run's envs, set up, on the policy's own tokenizer, their turns capped by `max_tool_calls`."""
+    """The run's envs, set up, on the policy's own tokenizer, their turns capped by `max_agent_turns`."""
 
     def make(name: str) -> HermesAgentBaseEnv:
         cls = env_class(name)
@@ -364,7 +364,7 @@ def policy_envs(
     for one in built:
         asyncio.run(one.setup())
         one.config.tokenizer_name, one.tokenizer = str(model_dir), tokenizer
-        one.config.max_agent_turns = min(one.config.max_agent_turns, cfg.max_tool_calls + 1)
-        if cfg.max_turn_tokens:
-            one.config.max_token_length = cfg.max_turn_tokens
+        one.config.max_agent_turns = min(one.config.max_agent_turns, cfg.max_agent_turns)
+        if cfg.max_token_length:
+            one.config.max_token_length = cfg.max_token_length
     return built

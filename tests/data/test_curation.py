@@ -137,7 +137,8 @@ def test_curate_to_store_records_lineage_and_card(store: ArtifactStore) -> None:
     body = "".join(json.dumps(g) + "\n" for g in hand_built())
     rollouts = store.put("rollouts", "r1", {"tool_use_chain.jsonl": body})
     evalset = store.put("evalset", "agentic", {"items.jsonl": json.dumps({"prompt": EVAL_PROMPT}) + "\n"})
-    sft, pairs = curate_to_store(store, ["rollouts/r1"], "round1")
+    sft, pairs = curate_to_store(store, ["rollouts/r1"], "sft-r1", "pairs-r1")
+    assert (sft.name, pairs.name) == ("sft-r1", "pairs-r1")
     assert set(sft.parents) == {rollouts.id, evalset.id} and sft.metrics["sft_examples"] == 2
     rows = [json.loads(line) for line in store.read_bytes(sft.id, "train.jsonl").decode().splitlines()]
     assert [r["meta"]["item_id"] for r in rows] == ["g1", "g7"]
@@ -149,5 +150,5 @@ def test_a_bad_rollout_line_fails_clearly_and_stores_nothing(store: ArtifactStor
     store.put("rollouts", "bad", {"x.jsonl": json.dumps(hand_built()[0]) + "\n{not json\n"})
     before = len(store.list())
     with pytest.raises(StoreError, match=r"rollouts/bad:x.jsonl line 2 is not JSON"):
-        curate_to_store(store, ["rollouts/bad"], "broken")
+        curate_to_store(store, ["rollouts/bad"], "broken-sft", "broken-pairs")
     assert len(store.list()) == before

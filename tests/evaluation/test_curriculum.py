@@ -132,27 +132,27 @@ def test_replay_adds_at_most_the_budget_again() -> None:
 
 
 def test_the_ablations_uniform_arm_gets_the_mined_plans_budget(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from benchmarks.curriculum_ablation import arm_profile
-    from flows.profiles import PROFILES
+    from benchmarks.curriculum_ablation import arm_config
+    from flows.round_config import load_round_config
 
-    p = PROFILES["tiny"].model_copy(update={"groups": 12, "sft_steps": 4})
+    p = load_round_config("tiny", overrides=["generate.groups=12", "sft.total_steps=4"])
     store = ArtifactStore(tmp_path)
     script = {("todo_report", "easy"): (0, 12), ("line_count", "easy"): (12, 12), ("csv_summary", "easy"): (12, 12)}
-    curriculum = {"slices": build_curriculum(outcomes(script), FAMILIES, p.curriculum_config)}
+    curriculum = {"slices": build_curriculum(outcomes(script), FAMILIES, p.curriculum)}
     store.put("weaknesses", "weaknesses-r1", {"curriculum.json": json.dumps(curriculum)})
     # Taught: todo_report/easy and the two unlocked medium slices, 4 groups each; the two mastered
     # slices replay 0.5 x 4 each on top: 16 groups, and SFT steps ceil(4 x 16 / 12).
-    uniform = arm_profile(store, p, "uniform")
-    assert (uniform.curriculum, uniform.groups, uniform.sft_steps) == ("uniform", 16, 6)
-    mined = arm_profile(store, p, "mined")
-    assert (mined.curriculum, mined.groups, mined.sft_steps) == ("mined", 12, 4)
+    uniform = arm_config(store, p, "uniform")
+    assert (uniform.curriculum.mode, uniform.generate.groups, uniform.sft.total_steps) == ("uniform", 16, 6)
+    mined = arm_config(store, p, "mined")
+    assert (mined.curriculum.mode, mined.generate.groups, mined.sft.total_steps) == ("mined", 12, 4)
 
 
 def test_the_ablation_reuses_only_an_arm_that_finished_from_the_same_round_1_and_profile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from benchmarks import curriculum_ablation as ablation
-    from flows.profiles import PROFILES
+    from flows.round_config import load_round_config, overridden
 
     source, workdir = tmp_path / "round-1", tmp_path / "work"
     ArtifactStore(source).put("weaknesses", "weaknesses-r1", {"curriculum.json": "{}"})
@@ -164,14 +164,14 @@ def test_the_ablation_reuses_only_an_arm_that_finished_from_the_same_round_1_and
         store.put("eval", "agentic-r2", {"metrics.json": json.dumps({"round": len(rounds)})})
         if not finish:
             raise KeyboardInterrupt  # Cut off before the report.
-        store.put("report", "round-2", {"report.md": "round 2"})
+        store.put("report", "report-r2", {"report.md": "round 2"})
 
     monkeypatch.setattr(ablation, "run_round", round_2)
-    p = PROFILES["tiny"].model_copy(update={"curriculum": "uniform"})
+    p = load_round_config("tiny", overrides=["curriculum.mode=uniform"])
     first = ablation.run_arm(source, workdir, p)[1]
     assert ablation.run_arm(source, workdir, p)[1] == first and len(rounds) == 1  # Finished: reused.
     (workdir / "weak-uniform").mkdir()  # The larger sample of that candidate.
-    assert ablation.run_arm(source, workdir, p.model_copy(update={"sft_steps": 3}))[1] != first  # Another budget.
+    assert ablation.run_arm(source, workdir, overridden(p, {"sft.total_steps": 3}))[1] != first  # Another budget.
     assert len(rounds) == 2 and not (workdir / "weak-uniform").exists()  # Its old candidate's sample is gone.
     monkeypatch.setattr(ablation, "run_round", lambda *args: round_2(*args, finish=False))
     with pytest.raises(KeyboardInterrupt):
@@ -182,8 +182,8 @@ def test_the_ablation_reuses_only_an_arm_that_finished_from_the_same_round_1_and
     ablation.run_arm(source, workdir, p)
     assert len(rounds) == 5
     # The uniform arm reads no curriculum settings: changing them keeps it. The mined arm's plan is in its record.
-    ablation.run_arm(source, workdir, p.model_copy(update={"curriculum_config": CurriculumConfig(focus=1)}))
-    mined = p.model_copy(update={"curriculum": "mined"})
+    ablation.run_arm(source, workdir, overridden(p, {"curriculum.focus": 1}))
+    mined = overridden(p, {"curriculum.mode": "mined"})
     ablation.run_arm(source, workdir, mined)
     ablation.run_arm(source, workdir, mined)
     assert len(rounds) == 6

@@ -6,10 +6,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from evaluation.curriculum import CurriculumConfig
 from flows import dispatch
 from flows.dispatch import code_digest, stage_cache_key
-from flows.profiles import PROFILES
+from flows.round_config import load_round_config, profile
 from flows.work import MineParams, SFTParams
 
 
@@ -18,7 +17,7 @@ def key(stage: str, params: object) -> str:
 
 
 def sft(**changes: object) -> SFTParams:
-    fields = {"store_url": "/store", "round_no": 1, "profile": PROFILES["tiny"], "base": "a" * 64, "dataset": "b" * 64}
+    fields = {"store_url": "/store", "round_no": 1, "config": profile("tiny"), "base": "a" * 64, "dataset": "b" * 64}
     return SFTParams(**(fields | changes))
 
 
@@ -27,12 +26,12 @@ def test_equal_inputs_give_equal_keys() -> None:
 
 
 def test_a_changed_parameter_misses() -> None:
-    faster = PROFILES["tiny"].model_copy(update={"sft_lr": 5e-4})
-    assert key("sft", sft(profile=faster)) != key("sft", sft())
+    faster = load_round_config("tiny", overrides=["sft.learning_rate=5e-4"])
+    assert key("sft", sft(config=faster)) != key("sft", sft())
     assert key("sft", sft(round_no=2)) != key("sft", sft())
-    lenient = PROFILES["tiny"].model_copy(update={"curriculum_config": CurriculumConfig(low=0.2)})
+    lenient = load_round_config("tiny", overrides=["curriculum.low=0.2"])
     mine = {"store_url": "/store", "evals": ["e" * 64]}
-    assert key("mine", MineParams(**mine, profile=lenient)) != key("mine", MineParams(**mine, profile=PROFILES["tiny"]))
+    assert key("mine", MineParams(**mine, config=lenient)) != key("mine", MineParams(**mine, config=profile("tiny")))
 
 
 def test_a_changed_input_artifact_misses() -> None:

@@ -110,9 +110,9 @@ def test_every_artifact_and_its_lineage_is_in_the_s3_store(full_round: dict) -> 
     store = ArtifactStore(full_round["store_url"])
     kinds = {m.kind for m in store.list()}
     assert {"model", "rollouts", "dataset", "checkpoint", "eval", "gate", "weaknesses", "report"} <= kinds
-    walked = {(m.kind, m.name) for m in lineage(store, "report/round-1").walk()}
-    assert {("checkpoint", "rl-r1"), ("checkpoint", "sft-r1"), ("dataset", "round1-sft"), ("model", "tiny")} <= walked
-    assert ("rollouts", "round1") in walked
+    walked = {(m.kind, m.name) for m in lineage(store, "report/report-r1").walk()}
+    assert {("checkpoint", "rl-r1"), ("checkpoint", "sft-r1"), ("dataset", "sft-r1"), ("model", "tiny")} <= walked
+    assert ("rollouts", "rollouts-r1") in walked
     assert store.verify() == []
     assert store.fs.exists(f"{store.root}/prefect-results")  # The stage cache lives with the artifacts.
 

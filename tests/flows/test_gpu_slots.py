@@ -11,7 +11,7 @@ from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 import flows.stages
-from flows.profiles import RoundProfile
+from flows.round_config import RoundConfig
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def active_slots(name: str) -> int:
 def test_a_gpu_stage_holds_its_slots_while_it_runs_and_releases_them(limit_name: str) -> None:
     with get_client(sync_client=True) as client:
         client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=limit_name, limit=4))
-    with flows.stages.gpu_slots(RoundProfile(gpus=2)):
+    with flows.stages.gpu_slots(RoundConfig(model="tiny", gpus=2)):
         assert active_slots(limit_name) == 2
     assert active_slots(limit_name) == 0
 
@@ -44,6 +44,6 @@ def test_without_the_limit_a_gpu_stage_runs_without_asking_the_slot_service(
 
     monkeypatch.setattr(flows.stages, "concurrency", no_service)
     ran = []
-    with flows.stages.gpu_slots(RoundProfile(gpus=1)):
+    with flows.stages.gpu_slots(RoundConfig(model="tiny", gpus=1)):
         ran.append(True)
     assert ran == [True]

@@ -9,7 +9,7 @@ import pytest
 
 from flows import work
 from flows.plan import round_plan
-from flows.profiles import PROFILES
+from flows.round_config import load_round_config, profile
 from flows.stages import STAGES
 from training.config import ConfigError
 from training.device import cpu_computes_bf16
@@ -24,8 +24,13 @@ def _strings(value: Any) -> list[str]:
     return [value] if isinstance(value, str) else []
 
 
+def plan_of(name: str, device: str | None = None) -> dict[str, Any]:
+    """The plan of shipped profile `name`, on `device` (None: the profile's)."""
+    return round_plan(load_round_config(name, overrides=[f"device={device}"] if device else []), name)
+
+
 def test_the_h100_plan_has_no_cpu_setting() -> None:
-    plan = round_plan("h100")
+    plan = plan_of("h100")
     assert plan["device"] == "cuda" and plan["gpus"] == 8 and set(plan["stages"]) == set(STAGES)
     for name in (n for n, s in STAGES.items() if s.gpu):
         stage = plan["stages"][name]
@@ -43,7 +48,7 @@ def test_the_h100_plan_has_no_cpu_setting() -> None:
 
 
 def test_the_cpu_plan_has_no_cuda_setting() -> None:
-    plan = round_plan("default", "cpu")
+    plan = plan_of("default", "cpu")
     assert {stage["device"] for stage in plan["stages"].values()} == {"cpu"}
     strings = _strings(plan)
     assert not any("cuda" in s or "vllm" in s or "bfloat16" in s for s in strings)
@@ -52,23 +57,23 @@ def test_the_cpu_plan_has_no_cuda_setting() -> None:
         assert args["use_cpu"] and plan["stages"][name]["launch"] is None
         assert args["bf16"] == cpu_computes_bf16(), name  # Autocast where the CPU has bf16 dot products.
         assert not any("vllm" in key for key in args), name
-        assert args["gradient_checkpointing"], name  # The profile's choice over the CPU default (off).
+        assert args["gradient_checkpointing"], name  # The config's choice over the CPU default (off).
     assert plan["stages"]["evaluate"]["server"]["command"][2:4] == ["inference.transformers_serve", "serve"]
-    quick = round_plan("quick", "cpu")["stages"]["sft"]["trainer_args"]
+    quick = plan_of("quick", "cpu")["stages"]["sft"]["trainer_args"]
     assert quick["gradient_checkpointing"] is False  # No choice in the profile: the device's default.
 
 
 def test_a_device_override_turns_a_profile_around() -> None:
     """The profile sizes stay, the device settings follow the device: the plan and the stages share one source."""
-    on_gpu = round_plan("default", "cuda")
+    on_gpu = plan_of("default", "cuda")
     sft = on_gpu["stages"]["sft"]
-    assert sft["trainer_args"]["bf16"] and sft["config"]["total_steps"] == PROFILES["default"].sft_steps
-    p = PROFILES["default"].model_copy(update={"device": "cuda"})
-    cfg = work.sft_config(work.SFTParams(profile=p, base="b", dataset="d"))
+    assert sft["trainer_args"]["bf16"] and sft["config"]["total_steps"] == profile("default").sft.total_steps
+    p = load_round_config("default", overrides=["device=cuda"])
+    cfg = work.sft_config(work.SFTParams(config=p, base="b", dataset="d"))
     assert on_gpu["stages"]["sft"]["config"] == {**cfg.model_dump(mode="json"), "policy_model": "model/smollm2",
                                                  "dataset": "<round-1 SFT dataset>"}  # fmt: skip
-    scaled = work.sft_config(work.SFTParams(profile=p, base="b", dataset="d", steps=26))  # A round's larger plan.
-    assert scaled.total_steps == 26 != p.sft_steps
+    scaled = work.sft_config(work.SFTParams(config=p, base="b", dataset="d", steps=26))  # A round's larger plan.
+    assert scaled.total_steps == 26 != p.sft.total_steps
 
 
 def test_plan_cli_prints_json_and_rejects_unknown_names() -> None:
@@ -78,16 +83,15 @@ def test_plan_cli_prints_json_and_rejects_unknown_names() -> None:
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["stages"]["sft"]["device"] == "cuda"
     assert_one_line_error(run("plan", "--profile", "h200"), "unknown profile 'h200'")
-    assert_one_line_error(run("plan", "--device", "tpu"), "unknown device 'tpu'")
+    assert_one_line_error(run("plan", "--device", "tpu"), "device: Input should be 'auto', 'cpu' or 'cuda'")
     with pytest.raises(ConfigError, match="unknown profile"):
-        round_plan("laptop")
+        load_round_config("laptop")
 
 
 def test_grpo_accumulates_micro_batches_so_a_group_may_span_them() -> None:
     """The default round trains GRPO one completion at a time (a quarter of the backward's activations):
     the group constraint is on a step's completions, not on a micro-batch."""
-    p = PROFILES["default"]
-    cfg = work.rl_config(work.RLParams(profile=p, policy="b", round_no=1))
+    cfg = work.rl_config(work.RLParams(config=profile("default"), policy="b", round_no=1))
     args = cfg.trainer_kwargs("out")
     assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (1, 4)
     assert cfg.problems() == []

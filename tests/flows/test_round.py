@@ -12,7 +12,7 @@ from pathlib import Path
 
 from data import ArtifactStore, lineage
 from flows import work
-from flows.profiles import PROFILES
+from flows.round_config import profile
 from tests.flows.conftest import flow_runs, task_runs
 from tests.flows.test_cli import FLYWHEEL
 
@@ -42,7 +42,7 @@ def test_a_round_killed_in_sft_resumes_without_recomputing(
     process.wait()
     store = ArtifactStore(killed)
     assert store.try_resolve("checkpoint/sft-r1") is None, "SFT finished before the kill"
-    assert store.try_resolve("dataset/round1-sft") is not None
+    assert store.try_resolve("dataset/sft-r1") is not None
 
     # Re-run: round 0, generate and curate come from the cache; SFT onwards runs, to the report.
     again = subprocess.run(round_command(killed), env=env, capture_output=True, text=True, timeout=600)
@@ -56,7 +56,7 @@ def test_a_round_killed_in_sft_resumes_without_recomputing(
     assert "evaluate-r0" not in states and "gate-r0" not in states  # The base model's verdict is read from the store.
     assert states["sft-r1"] == states["rl-r1"] == states["report-r1"] == "Completed", states
     assert len(store.list("rollouts")) == 1  # Generated once, across both runs.
-    assert len([m for m in store.list("dataset") if m.name == "round1-sft"]) == 1
+    assert len([m for m in store.list("dataset") if m.name == "sft-r1"]) == 1
 
     # Every stage's artifacts, the report and its lineage down to the base model.
     assert "report:" in again.stdout and "Promotion gate" in again.stdout
@@ -65,7 +65,7 @@ def test_a_round_killed_in_sft_resumes_without_recomputing(
     assert {"model", "rollouts", "dataset", "checkpoint", "eval", "gate", "weaknesses", "report"} <= {
         m.kind for m in store.list()
     }
-    walked = {m.kind for m in lineage(store, "report/round-1").walk()}
+    walked = {m.kind for m in lineage(store, "report/report-r1").walk()}
     assert {"eval", "checkpoint", "dataset", "rollouts", "model"} <= walked  # report <- ... <- base model
     assert store.resolve("champion") and store.verify() == []
 
@@ -84,6 +84,6 @@ def test_a_round_killed_in_sft_resumes_without_recomputing(
         fresh.put(m.kind, m.name, store.materialize(m.id, tmp_path / "copies"), params=m.params, metrics=m.metrics)
         for m in (store.manifest(ref) for ref in sft.parents[:2])
     )
-    params = work.SFTParams(store_url=fresh.root_url, profile=PROFILES["tiny"], base=base.id, dataset=dataset.id)
+    params = work.SFTParams(store_url=fresh.root_url, config=profile("tiny"), base=base.id, dataset=dataset.id)
     uninterrupted = work.sft(params)
     assert uninterrupted.files[WEIGHTS].sha256 == sft.files[WEIGHTS].sha256

@@ -13,11 +13,12 @@ from data import ArtifactStore
 from environments.task_stream import DIFFICULTIES
 from environments.tasks.tool_use_chain_tasks import CATEGORIES
 from flows.flywheel import run_round
-from flows.profiles import PROFILES
+from flows.round_config import load_round_config
 from flows.stages import STAGES
+from flows.work import round_name
 
 # envs: tool_use_chain; 10 turns keep todo_report/medium (9 oracle turns) in reach once it unlocks.
-PROFILE = PROFILES["tiny"].model_copy(update={"groups": 40, "max_turns": 10})
+CONFIG = load_round_config("tiny", overrides=["generate.groups=40", "max_agent_turns=10"])
 SOLVED_BY_R1 = {("todo_report", "easy")}  # What the round-1 candidate learns.
 
 
@@ -29,7 +30,7 @@ def scripted_round_stages(store: ArtifactStore) -> tuple[Any, list[tuple[str, di
         calls.append((name, fields))
         n = fields["round_no"]
         if name in ("gate", "mine"):
-            params = STAGES[name].params(store_url=store.root_url, profile=PROFILE, **fields)
+            params = STAGES[name].params(store_url=store.root_url, config=CONFIG, **fields)
             return STAGES[name].work(params).id
         if name == "evaluate":
             solved = SOLVED_BY_R1 if store.manifest(fields["model"]).name == "rl-r1" else set()
@@ -43,11 +44,11 @@ def scripted_round_stages(store: ArtifactStore) -> tuple[Any, list[tuple[str, di
             rows = [{"task": "flywheel_reasoning", "doc_id": i, "success": i % 2 == 0} for i in range(10)]
             return store.put("eval", fields["name"], {"samples/flywheel_reasoning.jsonl": _jsonl(rows)}).id
         made = {
-            "generate": ("rollouts", f"round{n}", []),
-            "curate": ("dataset", f"round{n}-sft", [fields.get("rollouts")]),
-            "sft": ("checkpoint", f"sft-r{n}", [fields.get("base"), fields.get("dataset")]),
-            "rl": ("checkpoint", f"rl-r{n}", [fields.get("policy")]),
-            "report": ("report", f"round-{n}", fields.get("refs", [])),
+            "generate": ("rollouts", round_name("rollouts", n), []),
+            "curate": ("dataset", round_name("sft", n), [fields.get("rollouts")]),
+            "sft": ("checkpoint", round_name("sft", n), [fields.get("base"), fields.get("dataset")]),
+            "rl": ("checkpoint", round_name("rl", n), [fields.get("policy")]),
+            "report": ("report", round_name("report", n), fields.get("refs", [])),
         }[name]
         kind, artifact, parents = made
         return store.put(kind, artifact, {"x": json.dumps(fields, default=str)}, parents=[p for p in parents if p]).id
@@ -64,7 +65,7 @@ def test_each_round_follows_the_curriculum_mined_before_it(tmp_path: Path) -> No
     store.put("model", "tiny", {"config.json": "{}"})
     stage, calls = scripted_round_stages(store)
 
-    report, decision = run_round(store, 1, PROFILE, stage)
+    report, decision = run_round(store, 1, CONFIG, stage)
     assert decision["promote"]  # todo_report/easy: 0/12 -> 12/12, no lm-eval guard dropped.
     names = [name for name, _ in calls]
     assert names[:4] == ["evaluate", "lm_eval", "gate", "mine"]  # Round 0: the base judged and mined.
@@ -75,11 +76,11 @@ def test_each_round_follows_the_curriculum_mined_before_it(tmp_path: Path) -> No
     assert generate_r1["plan"]["tool_use_chain"]["teacher"]["mix"]["todo_report/medium"] == 0  # Locked.
     assert set(generate_r1["plan"]["tool_use_chain"]) == {"teacher"}  # The base solved nothing: all teacher.
     mined_r1 = store.manifest("weaknesses/weaknesses-r1")
-    assert store.resolve("rollouts/round1") in mined_r1.parents  # The round's own rollouts are evidence too.
+    assert store.resolve("rollouts/rollouts-r1") in mined_r1.parents  # The round's own rollouts are evidence too.
 
     calls_r1 = list(calls)
     calls.clear()
-    run_round(store, 2, PROFILE, stage)
+    run_round(store, 2, CONFIG, stage)
     curriculum_r1 = store.read_json("weaknesses/weaknesses-r1", "curriculum.json")
     got = dict(calls)
     assert got["generate"]["plan"] == curriculum_r1["generate"] and got["rl"]["task_mix"] == curriculum_r1["rl"]
@@ -90,9 +91,10 @@ def test_each_round_follows_the_curriculum_mined_before_it(tmp_path: Path) -> No
     teacher, policy = plan["teacher"]["mix"], plan["policy"]["mix"]
     assert teacher["todo_report/medium"] > 0 and teacher["todo_report/easy"] == 0  # New work from the teacher...
     assert teacher["todo_report/medium"] > policy["todo_report/easy"] > 0  # ...a little replay of the champion's own.
-    # The replay comes on top of the profile's groups, and SFT's steps grow with the plan: rows seen as often.
+    # The replay comes on top of the config's groups, and SFT's steps grow with the plan: rows seen as often.
     planned = sum(part["groups"] for part in plan.values())
-    assert planned > PROFILE.groups and got["sft"]["steps"] == math.ceil(PROFILE.sft_steps * planned / PROFILE.groups)
-    assert dict(calls_r1)["sft"]["steps"] is None  # Round 1 teaches only: the profile's steps.
+    groups = CONFIG.generate.groups
+    assert planned > groups and got["sft"]["steps"] == math.ceil(CONFIG.sft.total_steps * planned / groups)
+    assert dict(calls_r1)["sft"]["steps"] is None  # Round 1 teaches only: the config's steps.
     assert got["rl"]["task_mix"]["tool_use_chain"]["todo_report/easy"] == 0  # GRPO leaves the mastered slice.
     assert store.manifest(report).parents  # The report is built from the round's artifacts.

@@ -10,23 +10,25 @@ from pydantic import ValidationError
 from data import ArtifactStore
 from flows import work
 from flows.flywheel import round_inputs
-from flows.profiles import PROFILES, RoundProfile
+from flows.round_config import GenerateSection, load_round_config, profile
 from training.config import ConfigError
 
 
 def test_the_served_policy_can_be_the_teacher(model_store: ArtifactStore, tiny_model, model_cache, monkeypatch) -> None:
     monkeypatch.setenv("FLYWHEEL_CACHE", str(model_cache))
-    profile = PROFILES["tiny"].model_copy(update={"teacher": "policy", "groups": 2})
+    config = load_round_config("tiny", overrides=["generate.teacher=policy", "generate.groups=2"])
     base = model_store.resolve("model/tiny")
-    manifest = work.generate(work.GenerateParams(store_url=model_store.url, profile=profile, tokenizer_model=base))
+    manifest = work.generate(work.GenerateParams(store_url=model_store.url, config=config, tokenizer_model=base))
     assert manifest.params["teacher"] == ["server"] and manifest.params["model"]  # The served tiny model acted.
     lines = model_store.read_bytes(manifest.id, "tool_use_chain-teacher.jsonl").decode().splitlines()
     assert len(lines) == 2 and all(len(json.loads(line)["scores"]) == 2 for line in lines)
 
 
 def test_an_endpoint_teacher_needs_a_url_and_a_model() -> None:
-    with pytest.raises(ValidationError, match="teacher_url and teacher_model"):
-        RoundProfile(teacher="endpoint", teacher_url="http://127.0.0.1:9/v1")
+    with pytest.raises(ValidationError, match="endpoint needs endpoint.base_url and endpoint.model_name"):
+        GenerateSection(teacher="endpoint")
+    with pytest.raises(ValidationError, match="endpoint.model_name"):
+        GenerateSection(teacher="endpoint", endpoint={"base_url": "http://127.0.0.1:9/v1"})
 
 
 def test_a_round_refuses_a_champion_from_another_base_model(tmp_path) -> None:
@@ -35,30 +37,30 @@ def test_a_round_refuses_a_champion_from_another_base_model(tmp_path) -> None:
     decision = {"promote": True, "candidate": other.id, "champion_before": None, "candidate_evals": []}
     store.put("gate", "gate-r0", {"decision.json": json.dumps(decision)}, parents=[other.id])
     with pytest.raises(ConfigError, match="does not descend from model/tiny"):
-        round_inputs(store, 1, PROFILES["tiny"])
+        round_inputs(store, 1, profile("tiny"))
 
 
 def test_round_two_needs_round_one(tmp_path) -> None:
     with pytest.raises(ConfigError, match="no report of round 1"):
-        round_inputs(ArtifactStore(tmp_path), 2, PROFILES["tiny"])
+        round_inputs(ArtifactStore(tmp_path), 2, profile("tiny"))
 
 
 def test_an_empty_sft_set_passes_the_base_on(tmp_path) -> None:
     """Every rollout of the round failed: SFT trains nothing, GRPO starts from the base."""
     store = ArtifactStore(tmp_path)
     base = store.put("model", "tiny", {"config.json": "{}"})
-    empty = store.put("dataset", "round1-sft", {"train.jsonl": ""}, metrics={"sft_examples": 0})
-    params = work.SFTParams(store_url=str(tmp_path), profile=PROFILES["tiny"], base=base.id, dataset=empty.id)
+    empty = store.put("dataset", "sft-r1", {"train.jsonl": ""}, metrics={"sft_examples": 0})
+    params = work.SFTParams(store_url=str(tmp_path), config=profile("tiny"), base=base.id, dataset=empty.id)
     assert work.sft(params).id == base.id
 
 
 def test_an_sft_set_where_no_conversation_fits_passes_the_base_on(model_store: ArtifactStore, tiny_model) -> None:
-    """Every curated conversation is longer than the profile's SFT length: the round goes on from the base."""
+    """Every curated conversation is longer than the round's `sft.max_length`: the round goes on from the base."""
     from tests.training.test_sft import TOOLS, conversation
 
     rows = "".join(json.dumps(conversation(2, 3) | {"tools": TOOLS}) + "\n" for _ in range(2)).encode()
-    data = model_store.put("dataset", "round1-sft", {"train.jsonl": rows}, metrics={"sft_examples": 2})
-    profile = PROFILES["tiny"].model_copy(update={"sft_max_length": 64})
+    data = model_store.put("dataset", "sft-r1", {"train.jsonl": rows}, metrics={"sft_examples": 2})
+    config = load_round_config("tiny", overrides=["sft.max_length=64"])
     base = model_store.resolve("model/tiny")
-    params = work.SFTParams(store_url=model_store.url, profile=profile, base=base, dataset=data.id)
+    params = work.SFTParams(store_url=model_store.url, config=config, base=base, dataset=data.id)
     assert work.sft(params).id == base

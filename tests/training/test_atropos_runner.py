@@ -44,7 +44,7 @@ runner.run()
 CPU_SIZED = {
     '"meta-llama/Llama-3-8B"': "TINY",
     "batch_size=64": "batch_size=4",
-    "total_steps=10_000": "total_steps=1, max_completion_length=24, max_tool_calls=1",
+    "total_steps=10_000": "total_steps=1, max_completion_length=24, max_agent_turns=2",
 }
 
 

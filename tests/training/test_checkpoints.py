@@ -50,7 +50,7 @@ def _configs(tiny_model: Path, tmp_path: Path) -> dict[str, TrainConfig]:
         "sft": SFTRunConfig(**common, dataset=str(rows), batch_size=2, max_length=128, output_name="sft-kill"),
         "grpo": GRPORunConfig(
             **common, envs=["file_stats"], batch_size=2, num_rollouts_per_task=2, num_tasks=8,
-            max_completion_length=48, max_tool_calls=1, output_name="grpo-kill",
+            max_completion_length=48, max_agent_turns=2, output_name="grpo-kill",
         ),
     }  # fmt: skip
 

@@ -116,6 +116,6 @@ def test_online_dpo_pairs_the_best_and_worst_rollout_of_each_group(tiny_model: P
 
 def test_online_dpo_without_any_reward_gap_fails_clearly(model_store: ArtifactStore, tmp_path: Path) -> None:
     cfg = DPORunConfig(envs=["file_stats"], num_tasks=1, num_rollouts_per_task=2, batch_size=2, device="cpu",
-                       max_completion_length=8, max_tool_calls=0, logs_root=str(tmp_path))  # fmt: skip
+                       max_completion_length=8, max_agent_turns=1, logs_root=str(tmp_path))  # fmt: skip
     with pytest.raises(ValueError, match=r"online sampling on \['file_stats'\] gave no preference pairs"):
         run_training(cfg, model_store)

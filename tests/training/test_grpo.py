@@ -241,7 +241,7 @@ def test_run_grpo_stores_a_checkpoint_with_lineage(
         logs_root=str(tmp_path),
         output_name="rl-test",
         difficulty="easy",
-        max_tool_calls=1,
+        max_agent_turns=2,
     )
     manifest = run_grpo(cfg, model_store)
     assert manifest.kind == "checkpoint" and manifest.metrics["steps"] == 1
@@ -267,7 +267,7 @@ def test_grpo_does_not_train_when_screening_finds_no_signal(
     scripted = ScriptedPolicy(AutoTokenizer.from_pretrained(tiny_model), lambda conversation: "I do not know.")
     monkeypatch.setattr(PreTrainedModel, "init_continuous_batching", lambda self, **_: scripted, raising=False)
     cfg = GRPORunConfig(total_steps=2, batch_size=1, gradient_accumulation_steps=2, num_rollouts_per_task=2,
-                        screen_tasks=3, max_completion_length=24, max_tool_calls=1, difficulty="easy",
+                        screen_tasks=3, max_completion_length=24, max_agent_turns=2, difficulty="easy",
                         logs_root=str(tmp_path), output_name="rl-flat")  # fmt: skip
     manifest = run_grpo(cfg, model_store)
     assert len(scripted.prompts) == 6  # Three tasks screened, two rollouts each; nothing generated after.

@@ -61,8 +61,8 @@ def test_grpo_step0_rewards_equal_the_agentic_eval_item_by_item(
     by_eval = {s["item_id"]: (s["reward"], s["task_completed"]) for s in samples}
 
     run_cfg = GRPORunConfig(
-        envs=["file_stats"], batch_size=2, num_rollouts_per_task=2, device="cpu", max_tool_calls=TURNS - 1,
-        max_turn_tokens=TURN_TOKENS, max_completion_length=1024,
+        envs=["file_stats"], batch_size=2, num_rollouts_per_task=2, device="cpu", max_agent_turns=TURNS,
+        max_token_length=TURN_TOKENS, max_completion_length=1024,
     )  # fmt: skip
     (env,) = policy_envs(run_cfg, [env_class("file_stats")(tokenizer_name=str(tiny_model), eval_size=ITEMS)],
                          tiny_model, tokenizer)  # fmt: skip

@@ -116,7 +116,7 @@ def test_grpo_step_one_trains_on_the_screened_groups(tiny_model: Path, tmp_path:
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     scripted = _script_generation(model, tokenizer, _count_lines_by_coin(random.Random(3)))
     cfg = GRPORunConfig(envs=["file_stats"], total_steps=1, batch_size=4, num_rollouts_per_task=2, device="cpu",
-                        max_tool_calls=3, max_completion_length=512, temperature=0.7, screen_tasks=12)  # fmt: skip
+                        max_agent_turns=4, max_completion_length=512, temperature=0.7, screen_tasks=12)  # fmt: skip
     envs = policy_envs(cfg, None, tiny_model, tokenizer)
     run, tasks, screened = RunDir(tmp_path, "screen"), {}, {}
     dataset, _ = task_dataset(envs, 1)
