@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from data import ArtifactStore, Manifest
-from environments.registry import env_class
+from environments.registry import env_class, env_name
 from environments.servers import server_configs
 
 
@@ -36,7 +36,8 @@ class GenerationPart(BaseModel):
 
     @property
     def filename(self) -> str:
-        return f"{self.env}-{self.label}.jsonl" if self.label else f"{self.env}.jsonl"
+        name = env_name(self.env)
+        return f"{name}-{self.label}.jsonl" if self.label else f"{name}.jsonl"
 
 
 def generate_rollouts(

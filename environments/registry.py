@@ -65,6 +65,15 @@ def env_class(spec: str) -> Any:
     return cls if issubclass(cls, HermesAgentBaseEnv) else adapter_class(cls)
 
 
+def env_name(spec: str) -> str:
+    """A short name for `spec` in file names and metrics: a registered name as it is, a module:Class or
+    a file by its class's `name` (else the class name), never a path."""
+    if spec in ENVIRONMENTS:
+        return spec
+    cls = env_class(spec)
+    return getattr(cls, "name", None) or cls.__name__
+
+
 def task_categories(spec: str) -> tuple[str, ...] | None:
     """The task categories of an env with a task family (None: an env without categories)."""
     categories = getattr(env_class(spec), "categories", None)

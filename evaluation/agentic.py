@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 
 from data import ArtifactStore, Manifest
 from environments.records import content_digest
-from environments.registry import TASK_FAMILIES, categories_of, env_class
+from environments.registry import TASK_FAMILIES, categories_of, env_class, env_name
 from environments.sandbox import isolation_report
 from environments.servers import server_configs
 
@@ -86,7 +86,7 @@ def held_out_items(env_name: str, eval_size: int, tokenizer: str, **task_slice: 
 
 def store_agentic_evalset(store: ArtifactStore, cfg: AgenticEvalConfig) -> Manifest:
     files = {
-        f"{name}.jsonl": "".join(
+        f"{env_name(name)}.jsonl": "".join(
             json.dumps(i) + "\n" for i in held_out_items(name, cfg.eval_size, cfg.tokenizer, **_slice(cfg, name))
         )
         for name in cfg.envs
@@ -117,13 +117,13 @@ def run_agentic_eval(
     for name, text in by_env.items():  # UTF-8 whatever the locale.
         samples = [json.loads(line) for line in text.splitlines()]
         _check_infra_failures(name, samples, cfg.max_infra_failure_rate)
-        files[f"samples/{name}.jsonl"] = "".join(json.dumps(s) + "\n" for s in samples)
+        files[f"samples/{env_name(name)}.jsonl"] = "".join(json.dumps(s) + "\n" for s in samples)
         all_samples.extend(samples)
     results = {"per_env": per_env, **aggregate(all_samples), "sandbox": isolation_report()}
     files["results.json"] = json.dumps(results, indent=2)
     metrics = {"success_rate": results["overall"]["success_rate"], "n": results["overall"]["n"]}
-    metrics |= {f"{env}/success_rate": m["eval/success_rate"] for env, m in per_env.items()}
-    metrics |= {f"{env}/infra_failures": m["eval/infra_failures"] for env, m in per_env.items()}
+    metrics |= {f"{env_name(env)}/success_rate": m["eval/success_rate"] for env, m in per_env.items()}
+    metrics |= {f"{env_name(env)}/infra_failures": m["eval/infra_failures"] for env, m in per_env.items()}
     metrics["sandbox_isolated"] = float(bool(results["sandbox"]["isolated"]))
     metrics["wall_seconds"] = round(time.perf_counter() - started, 1)
     parents = [evalset.id] + ([model_ref] if model_ref else [])

@@ -1,0 +1,73 @@
+"""`scripts/results_table.py`: the README's table comes from the store's gate decisions and evals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data import ArtifactStore
+from scripts.results_table import END, START, results_table, write_into
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "results_table.py"
+
+
+def _round(store: ArtifactStore, n: int, solved: dict[str, int], acc: float, decision: dict) -> None:
+    """Round n in the store: an agentic eval (4 items an env, `solved` of them won, one infra failure),
+    an lm-eval eval, the gate decision naming both, and the round's report."""
+    samples = {
+        f"samples/{env}.jsonl": "".join(
+            json.dumps({"env": env, "reward": float(i < k), "success": i < k}) + "\n" for i in range(4)
+        )
+        + json.dumps({"env": env, "reward": None, "success": False})
+        + "\n"
+        for env, k in solved.items()
+    }
+    agentic = store.put("eval", f"agentic-r{n}", {"results.json": json.dumps({"per_env": {}}), **samples})
+    lm = {"results": {"flywheel_tool_call": {"acc,none": acc, "acc_stderr,none": 0.1}}}
+    lm_eval = store.put("eval", f"lm-eval-r{n}", {"results.json": json.dumps(lm)})
+    body = decision | {"candidate_evals": [agentic.id, lm_eval.id]}
+    store.put("gate", f"gate-r{n}", {"decision.json": json.dumps(body)})
+    if n:
+        store.put("report", f"report-r{n}", {"summary.md": "round"})
+
+
+@pytest.fixture
+def two_rounds(tmp_path: Path) -> ArtifactStore:
+    store = ArtifactStore(tmp_path / "store")
+    _round(store, 0, {"web_navigation": 0, "tool_use_chain": 0}, 0.0, {"promote": True})
+    _round(store, 1, {"web_navigation": 1, "tool_use_chain": 4}, 0.25,
+           {"promote": True, "primary_delta": 0.625, "p_better": 1.0})  # fmt: skip
+    _round(store, 2, {"web_navigation": 2, "tool_use_chain": 3}, 0.5,
+           {"promote": False, "primary_delta": 0.0, "p_better": 0.5})  # fmt: skip
+    return store
+
+
+def test_the_table_has_a_row_a_round_from_the_store(two_rounds: ArtifactStore) -> None:
+    lines = results_table(two_rounds).splitlines()
+    assert lines[0] == (
+        "| round | held-out success | tool_use_chain | web_navigation | lm-eval flywheel_tool_call | gate |"
+    )
+    assert lines[2] == "| base | **0.000** (0/8) | 0/4 | 0/4 | 0.00 | — |"
+    assert lines[3] == "| 1 | **0.625** (5/8) | 4/4 | 1/4 | 0.25 | promoted, +0.625 (P 1.00) |"
+    assert lines[4] == "| 2 | **0.625** (5/8) | 3/4 | 2/4 | 0.50 | kept out, +0.000 (P 0.50) |"
+    assert len(lines) == 5
+
+
+def test_the_script_writes_between_the_markers_only(two_rounds: ArtifactStore, tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\n{START}\nold table\n{END}\n\nAfter.\n")
+    command = [sys.executable, str(SCRIPT), "--store", two_rounds.url, "--write", str(readme)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=SCRIPT.parents[1])
+    assert done.returncode == 0, done.stderr
+    text = readme.read_text()
+    assert text.startswith("# Title\n\n") and text.endswith(f"{END}\n\nAfter.\n") and "old table" not in text
+    assert results_table(two_rounds) in text
+    other = tmp_path / "other.md"
+    other.write_text("no markers\n")
+    with pytest.raises(SystemExit, match="has no <!-- results:start -->"):
+        write_into(other, "t")
+    assert other.read_text() == "no markers\n"
