@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export WANDB_MODE := disabled
 
-.PHONY: install system-deps demo test test-fast bench lint
+.PHONY: install system-deps demo test test-fast bench lint docs
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -54,3 +54,7 @@ bench: install
 	$(PY) benchmarks/rollout_throughput.py
 	$(PY) benchmarks/sft_throughput.py
 	$(PY) benchmarks/orchestration_overhead.py
+
+# The documentation site (mkdocs, offline) into site/.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict

@@ -37,6 +37,7 @@ from inference import ModelServer, ServerConfig, ServerError, build_command, cha
 from training import BUILTIN_MODELS, ModelError, prepare_model, resolve_model
 from training.config import ConfigError
 from training.models import default_cache_dir
+from training.registry import ALGORITHMS, load_run_config, run_training
 
 if TYPE_CHECKING:
     from flows.round_config import RoundConfig
@@ -284,36 +285,34 @@ GpusOption = Annotated[int, typer.Option(help="Launch on this many GPUs with acc
 DryRunOption = Annotated[bool, typer.Option(help="Print the multi-GPU launch command and exit.")]
 
 
-@train_app.command("sft")
-def train_sft(
-    config: ConfigOption, overrides: Overrides = None, gpus: GpusOption = 1, dry_run: DryRunOption = False
-) -> None:
-    """Supervised fine-tuning on a curated dataset artifact."""
-    _train("sft", config, overrides, gpus, dry_run)
+def _train_command(algorithm: str | None) -> Callable[..., None]:
+    """The `flywheel train` command of `algorithm` (None: the one the config names, GRPO by default)."""
+
+    def command(
+        config: ConfigOption, overrides: Overrides = None, gpus: GpusOption = 1, dry_run: DryRunOption = False
+    ) -> None:
+        _train(algorithm, config, overrides, gpus, dry_run)
+
+    return command
 
 
-@train_app.command("rl")
-def train_rl(
-    config: ConfigOption, overrides: Overrides = None, gpus: GpusOption = 1, dry_run: DryRunOption = False
-) -> None:
-    """Online RL (GRPO, or the config's `algorithm`) on the environments."""
-    _train(None, config, overrides, gpus, dry_run)
+def add_train_commands(group: typer.Typer) -> None:
+    """One `train` command per registered algorithm (`training/registry.py`), and `rl`: the config's own."""
+    for name, registered in ALGORITHMS.items():
+        group.command(name, help=registered.summary)(_train_command(name))
+    group.command("rl", help="Online RL or preference training: the algorithm the config names (default grpo).")(
+        _train_command(None)
+    )
 
 
-@train_app.command("dpo")
-def train_dpo(
-    config: ConfigOption, overrides: Overrides = None, gpus: GpusOption = 1, dry_run: DryRunOption = False
-) -> None:
-    """Preference optimisation (DPO) on curated pairs, or on pairs sampled online from the envs."""
-    _train("dpo", config, overrides, gpus, dry_run)
+add_train_commands(train_app)
 
 
 def _train(algorithm: str | None, config: Path, overrides: list[str] | None, gpus: int, dry_run: bool) -> None:
     """Load the config its algorithm names (training.registry); run it here, or launched on `gpus` GPUs."""
     from training.launch import launch_command
-    from training.registry import load_run_config, run_training
 
-    overrides = [*(overrides or []), *([f"algorithm={algorithm}"] if algorithm and algorithm != "sft" else [])]
+    overrides = [*(overrides or []), *([f"algorithm={algorithm}"] if algorithm else [])]
     cfg = load_run_config(config, overrides, default=algorithm or "grpo")
     if gpus > 1 or dry_run:
         command = launch_command(cfg, str(config), gpus, overrides, state.store_url)

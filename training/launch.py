@@ -20,8 +20,6 @@ from data.store import STORE_ENV
 from training.config import DEEPSPEED_DIR, TrainConfig
 
 # The `flywheel train` subcommand of each algorithm.
-TRAIN_COMMANDS = {"sft": "sft", "grpo": "rl", "dpo": "dpo"}
-
 logger = logging.getLogger(__name__)
 
 
@@ -70,8 +68,7 @@ def launch_command(
     else:
         command.append("--multi_gpu")
     store = ["--store", store_url] if store_url else []
-    train = TRAIN_COMMANDS[cfg.algorithm]
-    return [*command, "-m", "flows.cli", *store, "train", train, "--config", config_file, *overrides]
+    return [*command, "-m", "flows.cli", *store, "train", cfg.algorithm, "--config", config_file, *overrides]
 
 
 def launch(cfg: TrainConfig, store: ArtifactStore, num_gpus: int) -> Manifest:

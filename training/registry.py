@@ -20,10 +20,12 @@ from training.config import ConfigError, TrainConfig, read_config, validate_conf
 
 @dataclass(frozen=True)
 class Algorithm:
-    """Where an algorithm's config class and runner function live (`module:name`)."""
+    """Where an algorithm's config class and runner function live (`module:name`), and what it does
+    (the help of its `flywheel train` command)."""
 
     config: str
     runner: str
+    summary: str
 
     def config_class(self) -> type[TrainConfig]:
         return _load(self.config)
@@ -33,9 +35,19 @@ class Algorithm:
 
 
 ALGORITHMS: dict[str, Algorithm] = {
-    "sft": Algorithm("training.sft:SFTRunConfig", "training.sft:run_sft"),
-    "grpo": Algorithm("training.grpo:GRPORunConfig", "training.grpo:run_grpo"),
-    "dpo": Algorithm("training.dpo:DPORunConfig", "training.dpo:run_dpo"),
+    "sft": Algorithm(
+        "training.sft:SFTRunConfig", "training.sft:run_sft", "Supervised fine-tuning on a curated dataset artifact."
+    ),
+    "grpo": Algorithm(
+        "training.grpo:GRPORunConfig",
+        "training.grpo:run_grpo",
+        "Online RL (GRPO) on the environments, KL to a reference.",
+    ),
+    "dpo": Algorithm(
+        "training.dpo:DPORunConfig",
+        "training.dpo:run_dpo",
+        "Preference optimisation (DPO) on curated pairs, or on pairs sampled online from the envs.",
+    ),
 }
 NOT_SHIPPED = {
     "ppo": "algorithm=ppo is not available: TRL 1.16 ships no PPOTrainer (not even in trl.experimental). "
