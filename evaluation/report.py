@@ -1,7 +1,8 @@
 """Per-round reports: HTML + PNG plots + a markdown summary, stored as a `report` artifact.
 
-Plots: success per env across every agentic eval in the store (one line per env), the reward
-distribution of this round's rollouts, and the weakest slices with their 95 % intervals. The
+Figures: held-out success per env across rounds, a heat map of every slice's success per round with
+the curriculum class mining gave it, the reward distribution of this round's rollouts, and the
+weakest slices with their 95 % intervals (flagged ones in red). The
 HTML also lists evaluation samples with their rewards (like Atropos' rollout viewer).
 """
 
@@ -10,57 +11,117 @@ from __future__ import annotations
 import html
 import json
 import tempfile
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from data import ArtifactStore, Manifest
 from evaluation.weakness import stored_curriculum
 
+FLAGGED, UNFLAGGED = "#cc3311", "#777777"
+CLASS_MARKS = {"unsolved": "U", "learnable": "L", "mastered": "M", "locked": "-"}
+_STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "--")]
 
-def _plots(out: Path, history: dict[str, list[float]], rewards: list[float], slices: list[dict[str, Any]]) -> list[str]:
+
+def success_figure(per_round: dict[int, dict[str, float]]) -> Any:
+    """Held-out success per env across rounds: integer round ticks, one marker and line style an env,
+    envs at equal values side by side (dodged) rather than on top of each other."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    rounds = sorted(per_round)
+    envs = sorted({env for rates in per_round.values() for env in rates})
+    for i, env in enumerate(envs):
+        marker, line = _STYLES[i % len(_STYLES)]
+        dodge = (i - (len(envs) - 1) / 2) * 0.06
+        xs = [n + dodge for n in rounds if env in per_round[n]]
+        ax.plot(
+            xs, [per_round[n][env] for n in rounds if env in per_round[n]], marker=marker, linestyle=line, label=env
+        )
+    ax.set_xticks(rounds, [("base" if n == 0 else str(n)) for n in rounds])
+    ax.set(xlabel="round", ylabel="held-out success", ylim=(-0.05, 1.05), title="Held-out success per env")
+    if envs:
+        ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
+def heatmap_figure(slices: dict[int, dict[str, float]], classes: dict[int, dict[str, str]]) -> Any:
+    """Success per env/category (rows) x difficulty (columns), one panel a round; each cell marked with the
+    curriculum class the round's mining gave the slice (U unsolved: taught, L learnable, M mastered,
+    - locked), so what was taught, learnt and unlocked reads across the panels."""
+    plt = _pyplot()
+    rounds = sorted(slices) or [0]
+    keys = sorted({key for per in slices.values() for key in per} | {k for per in classes.values() for k in per})
+    rows = sorted({key.rsplit("/", 1)[0] for key in keys}) or ["(no held-out items)"]
+    columns = [d for d in ("easy", "medium", "hard") if any(k.endswith(f"/{d}") for k in keys)] or ["all"]
+    fig, axes = plt.subplots(1, len(rounds), figsize=(2.2 * len(rounds) + 2, 0.35 * len(rows) + 1.5), squeeze=False)
+    for ax, n in zip(axes[0], rounds, strict=True):
+        grid = [[slices.get(n, {}).get(f"{row}/{col}", float("nan")) for col in columns] for row in rows]
+        image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        for r, row in enumerate(rows):
+            for c, col in enumerate(columns):
+                mark = CLASS_MARKS.get(classes.get(n, {}).get(f"{row}/{col}", ""), "")
+                ax.text(c, r, mark, ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(columns)), columns, fontsize=7)
+        ax.set_yticks(range(len(rows)), rows if ax is axes[0][0] else [], fontsize=7)
+        ax.set_title("base" if n == 0 else f"round {n}", fontsize=9)
+    fig.colorbar(image, ax=list(axes[0]), label="held-out success", shrink=0.8)
+    fig.suptitle("Slices per round (U taught, L learnable, M mastered, - locked)", fontsize=9)
+    return fig
+
+
+def weakest_figure(slices: list[dict[str, Any]]) -> Any:
+    """The weakest slices: each point estimate with its 95 % Wilson interval, flagged ones in red."""
+    plt = _pyplot()
+    worst = slices[:10][::-1]
+    fig, ax = plt.subplots(figsize=(7, 0.4 * max(3, len(worst)) + 1))
+    for y, s in enumerate(worst):
+        low, high = s["success_ci95"]
+        color = FLAGGED if s["weak"] else UNFLAGGED
+        ax.errorbar(s["success_rate"], y, xerr=[[s["success_rate"] - low], [high - s["success_rate"]]], fmt="o",
+                    color=color, ecolor=color, capsize=3)  # fmt: skip
+    ax.set_yticks(range(len(worst)), [s["slice"] for s in worst], fontsize=7)
+    handles = [plt.Line2D([], [], color=c, marker="o", linestyle="") for c in (FLAGGED, UNFLAGGED)]
+    ax.legend(handles, ["flagged weak", "not flagged"], fontsize=7, loc="lower right")
+    ax.set(xlim=(-0.02, 1.02), xlabel="success rate (95% Wilson interval)", title="Weakest slices")
+    fig.tight_layout()
+    return fig
+
+
+def reward_figure(rewards: list[float]) -> Any:
+    """The reward distribution of the round's evaluation and rollouts."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.hist(rewards, bins=[i / 10 for i in range(11)], color="#4477aa", edgecolor="white")
+    ax.set(xlabel="reward", ylabel="rollouts", title=f"Reward distribution ({len(rewards)} rollouts)")
+    fig.tight_layout()
+    return fig
+
+
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = []
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for env, values in sorted(history.items()):
-        ax.plot(range(1, len(values) + 1), values, marker="o", label=env)
-    ax.set(xlabel="evaluation (round)", ylabel="success rate", ylim=(-0.05, 1.05), title="Agentic success per env")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "success_per_env.png", dpi=100)
-    names.append("success_per_env.png")
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.hist(rewards, bins=[i / 10 for i in range(11)], color="#4477aa", edgecolor="white")
-    ax.set(xlabel="reward", ylabel="rollouts", title=f"Reward distribution ({len(rewards)} rollouts)")
-    fig.tight_layout()
-    fig.savefig(out / "reward_distribution.png", dpi=100)
-    names.append("reward_distribution.png")
-    plt.close(fig)
-
-    worst = slices[:10]
-    fig, ax = plt.subplots(figsize=(7, 0.4 * max(3, len(worst)) + 1))
-    labels = [s["slice"] for s in worst][::-1]
-    rates = [s["success_rate"] for s in worst][::-1]
-    low = [s["success_rate"] - s["success_ci95"][0] for s in worst][::-1]
-    high = [s["success_ci95"][1] - s["success_rate"] for s in worst][::-1]
-    colors = ["#cc3311" if s["weak"] else "#999999" for s in worst][::-1]
-    ax.barh(labels, rates, xerr=[low, high], color=colors)
-    ax.set(xlim=(0, 1), xlabel="success rate (95% Wilson interval)", title="Weakest slices (red: flagged)")
-    ax.tick_params(axis="y", labelsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "weakest_slices.png", dpi=100)
-    names.append("weakest_slices.png")
-    plt.close(fig)
-    return names
+    return plt
 
 
-def build_report(store: ArtifactStore, refs: list[str], name: str = "round") -> Manifest:
-    """Report on the given eval / weaknesses / gate / rollouts artifacts (kinds are detected)."""
+def _save(out: Path, figures: dict[str, Any]) -> list[str]:
+    """Each figure as `<name>.png` in `out` (closed after); the file names."""
+    plt = _pyplot()
+    for name, fig in figures.items():
+        fig.savefig(out / f"{name}.png", dpi=100)
+        plt.close(fig)
+    return [f"{name}.png" for name in figures]
+
+
+def build_report(
+    store: ArtifactStore, refs: list[str], name: str = "round", rounds: dict[int, dict[str, Any]] | None = None
+) -> Manifest:
+    """Report on the given eval / weaknesses / gate / rollouts artifacts (kinds are detected); `rounds`:
+    every round so far as `{n: {"evals": [candidate eval ids], "weaknesses": id or None}}`, for the
+    figures across rounds (None: the given evals as one round)."""
     manifests = [store.manifest(ref) for ref in refs]
     by_kind: dict[str, list[Manifest]] = {}
     for manifest in manifests:
@@ -82,7 +143,9 @@ def build_report(store: ArtifactStore, refs: list[str], name: str = "round") -> 
     curriculum = (stored_curriculum(store, mined.id) if mined else None) or {}
     slices = weak.get("slices", [])
     gate = store.read_json(by_kind["gate"][0].id, "decision.json") if "gate" in by_kind else None
-    history = _success_history(store)
+    if rounds is None:
+        rounds = {0: {"evals": [m.id for m in by_kind.get("eval", [])], "weaknesses": mined.id if mined else None}}
+    per_env, per_slice, classes = _across_rounds(store, rounds)
     lm_eval = {
         task: values
         for m in by_kind.get("eval", [])
@@ -91,7 +154,13 @@ def build_report(store: ArtifactStore, refs: list[str], name: str = "round") -> 
     }
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        images = _plots(out, history, rewards, slices)
+        figures = {
+            "success_per_env": success_figure(per_env),
+            "curriculum_heatmap": heatmap_figure(per_slice, classes),
+            "reward_distribution": reward_figure(rewards),
+            "weakest_slices": weakest_figure(slices),
+        }
+        images = _save(out, figures)
         summary = _markdown(name, agentic, lm_eval, slices, gate) + _curriculum_markdown(curriculum)
         summary += _costs_markdown(manifests)
         (out / "summary.md").write_text(summary)
@@ -100,14 +169,37 @@ def build_report(store: ArtifactStore, refs: list[str], name: str = "round") -> 
         return store.put("report", name, out, parents=[m.id for m in manifests], metrics=metrics)
 
 
-def _success_history(store: ArtifactStore) -> dict[str, list[float]]:
-    """Each env's success rate in every agentic eval in the store, oldest first."""
-    history: dict[str, list[float]] = {}
-    for manifest in store.list("eval"):
-        for key, value in manifest.metrics.items():
-            if key.endswith("/success_rate") and "/" in key:
-                history.setdefault(key.split("/")[0], []).append(value)
-    return history
+def _across_rounds(
+    store: ArtifactStore, rounds: dict[int, dict[str, Any]]
+) -> tuple[dict[int, dict[str, float]], dict[int, dict[str, float]], dict[int, dict[str, str]]]:
+    """Per round: success per env and per `env/category/difficulty` slice (of its candidate's agentic
+    samples, infra failures left out), and the curriculum class its mining gave each slice."""
+    per_env: dict[int, dict[str, float]] = {}
+    per_slice: dict[int, dict[str, float]] = {}
+    classes: dict[int, dict[str, str]] = {}
+    for n, evidence in sorted(rounds.items()):
+        env_counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        slice_counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for ref in evidence["evals"]:
+            manifest = store.manifest(ref)
+            for path in (p for p in manifest.files if p.startswith("samples/")):
+                for line in store.read_bytes(manifest.id, path).decode().splitlines():
+                    sample = json.loads(line)
+                    if "env" not in sample or sample.get("reward") is None:
+                        continue
+                    key = f"{sample['env']}/{sample.get('category')}/{sample.get('difficulty')}"
+                    for counts in (env_counts[sample["env"]], slice_counts[key]):
+                        counts[0] += bool(sample["success"])
+                        counts[1] += 1
+        per_env[n] = {env: won / total for env, (won, total) in env_counts.items()}
+        per_slice[n] = {key: won / total for key, (won, total) in slice_counts.items()}
+        curriculum = stored_curriculum(store, evidence["weaknesses"]) if evidence.get("weaknesses") else None
+        classes[n] = {
+            f"{env}/{row['slice']}": row["class"]
+            for env, spec in ((curriculum or {}).get("slices") or {}).items()
+            for row in spec["slices"]
+        }
+    return per_env, per_slice, classes
 
 
 def _markdown(name: str, agentic: list[dict], lm_eval: dict[str, Any], slices: list[dict], gate: dict | None) -> str:

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.logging import RichHandler
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
@@ -32,6 +31,7 @@ from rich.tree import Tree
 
 from data import ArtifactStore, LineageNode, Manifest, StoreError, lineage
 from flows.cli_errors import click_error_line, failure_line
+from flows.console import stderr_handler
 from flows.fast_malloc import reexec_with_fast_malloc
 from inference import ModelServer, ServerConfig, ServerError, build_command, chat
 from training import BUILTIN_MODELS, ModelError, prepare_model, resolve_model
@@ -85,11 +85,7 @@ def _root(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     state.store_url, state.verbose = store, verbose
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(message)s",
-        handlers=[RichHandler(console=err_console, show_path=False)],
-    )
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[stderr_handler()])
     for noisy in ("httpx", "botocore", "aiobotocore", "s3fs"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -103,9 +99,15 @@ def _byte_progress(description: str, total: int | None = None) -> Iterator[Calla
         yield lambda n: progress.advance(task, n)
 
 
+def _write(text: str) -> None:
+    """`text` on the command's own output (stdout, where libraries never write: see `main`), as it is."""
+    console.file.write(text + "\n")
+    console.file.flush()
+
+
 def _print_json(data: Any) -> None:
     """`data` as indented JSON on stdout, without Rich's markup or highlighting."""
-    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    _write(json.dumps(data, indent=2))
 
 
 def _manifest_json(manifest: Manifest) -> dict[str, Any]:
@@ -438,11 +440,14 @@ def report(
     from evaluation.report import build_report
 
     store = state.store
+    rounds = None
     if len(refs) == 1 and refs[0].isdigit():
         from flows.flywheel import round_refs
+        from flows.work import round_history
 
+        rounds = round_history(store, int(refs[0]))
         refs = round_refs(store, int(refs[0]))
-    manifest = build_report(store, refs, name or "report")
+    manifest = build_report(store, refs, name or "report", rounds)
     out = store.materialize(manifest.id, default_cache_dir() / "reports")
     console.print(f"report/{manifest.name} = {manifest.id[:12]}: {out / 'report.html'}")
 
@@ -506,18 +511,26 @@ def run_round(
     profile = "quick" if quick else profile
     cfg = _round_config(profile, config, overrides, device)
     if show_config:
-        sys.stdout.write(config_yaml(cfg) + "\n")
+        _write(config_yaml(cfg))
         return
-    from flows.flywheel import flywheel
+    from flows.console import log_file_for, quiet_libraries, round_console
 
-    report_id = flywheel(
-        rounds=rounds, profile=profile or (config.stem if config else "default"), store_url=state.store_url,
-        dispatch=dispatch, first_round=first_round, config=cfg,
-    )  # fmt: skip
+    if not state.verbose:
+        quiet_libraries()
+    from flows.flywheel import flywheel  # Prefect configures logging on import: routed after it.
+    from flows.results import results_table
+
+    log_file = log_file_for(default_cache_dir())
+    console.print(f"log: {log_file}", highlight=False, soft_wrap=True)
+    with round_console(console, log_file, state.verbose):
+        report_id = flywheel(
+            rounds=rounds, profile=profile or (config.stem if config else "default"), store_url=state.store_url,
+            dispatch=dispatch, first_round=first_round, config=cfg,
+        )  # fmt: skip
     store = state.store
     out = store.materialize(report_id, default_cache_dir() / "reports")
-    console.print(store.read_bytes(report_id, "summary.md").decode(), soft_wrap=True, highlight=False)
-    console.print(f"report: {out / 'report.html'}")
+    _write(results_table(store))
+    console.print(f"report: {out / 'report.html'}", highlight=False, soft_wrap=True)
 
 
 @infra_app.command("setup")
@@ -546,14 +559,28 @@ def infra_setup(
 # -- every subcommand takes --store; every failure is one line -----------------------------------
 
 
+@contextlib.contextmanager
+def _own_stdout() -> Iterator[None]:
+    """Stdout is the command's own output (tables, JSON, paths): while it runs, a library that prints
+    or logs to sys.stdout (DeepSpeed's logger does, on import) writes to stderr instead."""
+    console.file = sys.stdout
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        console.file = None  # type: ignore[assignment]  # Rich: back to whatever sys.stdout is.
+
+
 def _with_store_option(command: Callable[..., Any]) -> Callable[..., Any]:
-    """`command` with a `--store` option of its own (Typer reads the added parameter from the signature)."""
+    """`command` with a `--store` option of its own (Typer reads the added parameter from the signature),
+    run with stdout kept for its own output."""
 
     @functools.wraps(command)
     def run(*args: Any, store: str | None = None, **kwargs: Any) -> Any:
         if store is not None:
             state.store_url = store
-        return command(*args, **kwargs)
+        with _own_stdout():
+            return command(*args, **kwargs)
 
     signature = inspect.signature(command, eval_str=True)
     option = inspect.Parameter("store", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=StoreOption)

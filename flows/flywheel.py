@@ -10,8 +10,10 @@ what already finished.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -23,6 +25,7 @@ from evaluation.gate import recorded_evals, shares_items
 from evaluation.lm_eval_runner import model_ref_of
 from evaluation.weakness import stored_curriculum
 from flows import work
+from flows.console import stage_finished, stage_started
 from flows.dispatch import Dispatch, result_storage, run_stage
 from flows.round_config import RoundConfig, load_round_config
 from flows.stages import STAGES, evaluate, lm_eval
@@ -57,7 +60,11 @@ def flywheel(
     common = {"store_url": store.root_url, "config": p}  # Absolute: cache keys must not depend on the cwd.
 
     def stage(name: str, /, **fields: Any) -> str:
-        return cached_stage(name, STAGES[name].params(**common, **fields), dispatch)
+        started = time.time()
+        stage_started(name, fields["round_no"])
+        artifact = cached_stage(name, STAGES[name].params(**common, **fields), dispatch)
+        stage_finished(store, name, fields["round_no"], artifact, started)
+        return artifact
 
     first = first_round or completed_rounds(store) + 1
     report_id = ""
@@ -99,7 +106,7 @@ def run_round(store: ArtifactStore, n: int, p: RoundConfig, stage: StageCall) ->
     if n == 1 and store.try_resolve(f"weaknesses/{round_name('weaknesses', 0)}") is None:  # Round 1's curriculum.
         stage("mine", round_no=0, evals=store.read_json(gate_r0, "decision.json")["candidate_evals"])
     start = round_inputs(store, n, p)
-    plan, rl_mix = plan_round(start.curriculum, p) if start.curriculum is not None else (None, None)
+    plan, rl_mix = plan_round(start.curriculum, p, start.planned_with) if start.curriculum else (None, None)
     rollouts = stage("generate", round_no=n, tokenizer_model=start.base, plan=plan)
     dataset = stage("curate", round_no=n, rollouts=rollouts)
     sft_ckpt = stage("sft", round_no=n, base=start.base, dataset=dataset, steps=sft_steps(plan, p))
@@ -119,9 +126,15 @@ def run_round(store: ArtifactStore, n: int, p: RoundConfig, stage: StageCall) ->
     return stage("report", round_no=n, refs=round_refs(store, n)), decision
 
 
-def plan_round(curriculum: dict[str, Any], p: RoundConfig) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
-    """A mined curriculum's generation plan and GRPO task mix, planned with this round's budget and
-    thresholds (on a copy: planning records weights and groups on the slices)."""
+def plan_round(
+    curriculum: dict[str, Any], p: RoundConfig, planned_with: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
+    """A mined curriculum's generation plan and GRPO task mix: the ones mining stored, when it planned with
+    what this round's config says (`planned_with`: its recorded spec); else planned with this round's
+    budget and thresholds (the config changed between rounds; on a copy: planning annotates the slices)."""
+    spec = work.curriculum_spec(p)
+    if spec is not None and planned_with == json.loads(spec.model_dump_json()) and "generate" in curriculum:
+        return curriculum["generate"], curriculum["rl"]
     slices = copy.deepcopy(curriculum["slices"])
     plan = plan_generation(slices, p.generate.groups, p.curriculum, p.max_agent_turns)
     return plan, grpo_mix(slices, p.curriculum)
@@ -170,6 +183,7 @@ class RoundInputs(NamedTuple):
     base_evals: list[str]  # Its evals, as mined in round n-1: the bar the candidate must clear.
     weaknesses: str | None  # Round n-1's weaknesses artifact.
     curriculum: dict[str, Any] | None  # Its curriculum.json (None: none, or the round's is uniform).
+    planned_with: dict[str, Any] | None  # The curriculum spec mining planned that curriculum with.
 
 
 def round_inputs(store: ArtifactStore, n: int, p: RoundConfig) -> RoundInputs:
@@ -197,7 +211,8 @@ def round_inputs(store: ArtifactStore, n: int, p: RoundConfig) -> RoundInputs:
     else:  # A store from before rounds were mined: the evals the gate recorded.
         base_evals = decision["candidate_evals"] if decision["promote"] else recorded_evals(store, base)
     curriculum = stored_curriculum(store, mined.id) if mined is not None and p.curriculum.mode == "mined" else None
-    return RoundInputs(base, base_evals, weaknesses, curriculum)
+    planned_with = mined.params.get("curriculum") if mined is not None else None
+    return RoundInputs(base, base_evals, weaknesses, curriculum, planned_with)
 
 
 @flow(name="eval", flow_run_name="eval-{model}")

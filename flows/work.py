@@ -269,29 +269,46 @@ def gate(params: GateParams) -> Manifest:
 
 def mine(params: MineParams) -> Manifest:
     """Failure slices with confidence intervals -> the next round's curriculum."""
-    p = params.config
-    spec = None
-    if p.curriculum.mode == "mined":
-        spec = CurriculumSpec(
-            families=p.families(),
-            difficulty=p.difficulty,
-            groups=p.generate.groups,
-            config=p.curriculum,
-            max_turns=p.max_agent_turns,
-        )
     return mine_to_store(
         params.store(),
         params.evals,
         name=round_name("weaknesses", params.round_no),
-        curriculum=spec,
+        curriculum=curriculum_spec(params.config),
         previous=params.previous,
         rollouts=params.rollouts,
     )
 
 
+def curriculum_spec(p: RoundConfig) -> CurriculumSpec | None:
+    """What mining plans the next round with: the round's slices, budget, thresholds and turn budget
+    (None: a uniform curriculum plans nothing)."""
+    if p.curriculum.mode != "mined":
+        return None
+    return CurriculumSpec(
+        families=p.families(),
+        difficulty=p.difficulty,
+        groups=p.generate.groups,
+        config=p.curriculum,
+        max_turns=p.max_agent_turns,
+    )
+
+
 def report(params: ReportParams) -> Manifest:
     """The round's HTML report."""
-    return build_report(params.store(), params.refs, round_name("report", params.round_no))
+    store = params.store()
+    rounds = round_history(store, params.round_no)
+    return build_report(store, params.refs, round_name("report", params.round_no), rounds)
+
+
+def round_history(store: ArtifactStore, last: int) -> dict[int, dict[str, Any]]:
+    """Rounds 0..`last` that passed their gate: the candidate's evals and what mining made of its round."""
+    history = {}
+    for n in range(last + 1):
+        gate_id = store.try_resolve(f"gate/{round_name('gate', n)}")
+        if gate_id is not None:
+            evals = store.read_json(gate_id, "decision.json")["candidate_evals"]
+            history[n] = {"evals": evals, "weaknesses": store.try_resolve(f"weaknesses/{round_name('weaknesses', n)}")}
+    return history
 
 
 def round_name(what: str, round_no: int) -> str:

@@ -13,7 +13,7 @@ from data import ArtifactStore
 from environments.task_stream import DIFFICULTIES
 from environments.tasks.tool_use_chain_tasks import CATEGORIES
 from flows.flywheel import run_round
-from flows.round_config import load_round_config
+from flows.round_config import load_round_config, overridden
 from flows.stages import STAGES
 from flows.work import round_name
 
@@ -98,3 +98,27 @@ def test_each_round_follows_the_curriculum_mined_before_it(tmp_path: Path) -> No
     assert dict(calls_r1)["sft"]["steps"] is None  # Round 1 teaches only: the config's steps.
     assert got["rl"]["task_mix"]["tool_use_chain"]["todo_report/easy"] == 0  # GRPO leaves the mastered slice.
     assert store.manifest(report).parents  # The report is built from the round's artifacts.
+
+
+def test_a_round_plans_once_unless_its_config_changed(tmp_path: Path, monkeypatch) -> None:
+    """Mining stores the next round's plan; the round reads it rather than planning again, and plans
+    anew only when its config plans differently (here a smaller generation budget)."""
+    import flows.flywheel
+
+    store = ArtifactStore(tmp_path)
+    store.put("model", "tiny", {"config.json": "{}"})
+    stage, calls = scripted_round_stages(store)
+    planned: list[int] = []
+    plan_generation = flows.flywheel.plan_generation
+    monkeypatch.setattr(
+        flows.flywheel, "plan_generation", lambda *a, **k: planned.append(1) or plan_generation(*a, **k)
+    )
+    run_round(store, 1, CONFIG, stage)
+    assert planned == []  # Round 0's mining planned round 1 with this very config.
+    smaller = overridden(CONFIG, {"generate.groups": 8})
+    calls.clear()
+    run_round(store, 2, smaller, stage)
+    assert planned == [1]
+    plan = dict(calls)["generate"]["plan"]["tool_use_chain"]
+    assert plan["teacher"]["groups"] <= 8 != store.read_json("weaknesses/weaknesses-r1", "curriculum.json")[
+        "generate"]["tool_use_chain"]["teacher"]["groups"]  # fmt: skip

@@ -15,6 +15,7 @@ import pytest
 
 from data import ArtifactStore
 from environments.custom import file_stats_env
+from flows.stages import STAGES
 from tests.evaluation.test_lm_eval_and_agentic import USER_TASK, USER_UTILS
 from tests.flows.test_cli import FLYWHEEL
 
@@ -77,7 +78,18 @@ def test_the_cli_runs_from_a_folder_with_our_package_names(
 
     ran = in_folder(user_folder, "--store", store, "round", "--profile", "quick", "--config", "my_round.yaml", env=env)
     assert ran.returncode == 0, ran.stderr[-3000:]
-    assert "report:" in ran.stdout
+    # The console shows the round: a line a stage, the results table, the report and the full log's paths.
+    printed = [line for line in (ran.stdout + ran.stderr).splitlines() if line.strip()]
+    assert len(printed) <= 60 and len(set(printed)) == len(printed), "\n".join(printed)
+    for stage in STAGES:
+        assert any(line.startswith(f"{stage} ") and " r1 " in line for line in printed), (stage, printed)
+    assert any(line.startswith("gate      r1") and ("promoted" in line or "kept out" in line) for line in printed)
+    last = ran.stdout.splitlines()[-1]  # Our own warnings (GRPO's "identical rewards" here) go to stderr.
+    assert last.startswith("report: ") and last.endswith("report.html")
+    assert all(line.startswith("WARNING ") for line in ran.stderr.splitlines() if line.strip()), ran.stderr
+    assert any(line.startswith("| 1 | **") for line in printed)  # The round's row of the results table.
+    log = Path(next(line for line in printed if line.startswith("log: "))[5:])
+    assert "Finished in state Completed" in log.read_text()  # Prefect's and the libraries' logs: in the file.
     round_store = ArtifactStore(store)
     gate = round_store.read_json("gate/gate-r1", "decision.json")
     evals = [round_store.manifest(ref) for ref in gate["candidate_evals"]]

@@ -1,4 +1,4 @@
-"""`scripts/results_table.py`: the README's table comes from the store's gate decisions and evals."""
+"""The results table (`flows/results.py`; `scripts/results_table.py` writes it into the README)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from data import ArtifactStore
-from scripts.results_table import END, START, results_table, write_into
+from flows.results import END, START, results_table, write_into
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "results_table.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "results_table.py"
 
 
 def _round(store: ArtifactStore, n: int, solved: dict[str, int], acc: float, decision: dict) -> None:
