@@ -240,3 +240,24 @@ def test_eval_takes_the_infra_failure_threshold_and_checks_its_range(tmp_path: P
     result = run("--store", str(tmp_path), "eval", "--model", "tiny", "--suite", "agentic",
                  "--max-infra-failure-rate", "1.5")  # fmt: skip
     assert_one_line_error(result, "--max-infra-failure-rate", code=2)
+
+
+def test_every_json_command_prints_only_json_on_stdout(tmp_path: Path) -> None:
+    """On a fresh store `model prepare` builds the model (transformers and DeepSpeed imported, and
+    DeepSpeed logs to stdout on import): stdout still parses as JSON. `eval --json` runs in
+    tests/flows/test_user_folder.py."""
+    with_json = {path for path in SUBCOMMANDS if any(p.name == "as_json" for p in _command(path).params)}
+    assert with_json == {("model", "prepare"), ("artifacts", "ls"), ("artifacts", "show"), ("eval",)}
+    env = {"FLYWHEEL_CACHE": str(tmp_path / "cache")}
+    store = str(tmp_path / "store")
+    for argv in (["model", "prepare", "tiny"], ["artifacts", "ls"], ["artifacts", "show", "model/tiny"]):
+        result = run("--store", store, *argv, "--json", env=env)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout), argv
+
+
+def _command(path: tuple[str, ...]) -> Any:
+    command = typer.main.get_command(cli.app)
+    for name in path:
+        command = command.commands[name]  # type: ignore[attr-defined]
+    return command
