@@ -22,10 +22,10 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
+from environments.agent.servers import default_tokenizer
 from environments.agent_loop import AgentResult, HermesAgentLoop
 from environments.base import Action, BaseEnvironment, State
 from environments.hermes_base_env import HermesAgentBaseEnv, HermesAgentEnvConfig
-from environments.servers import default_tokenizer
 from environments.tool_call_parsers import ParsedToolCall
 from environments.tool_context import ToolContext
 

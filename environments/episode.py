@@ -12,10 +12,10 @@ import asyncio
 import uuid
 from typing import Any
 
+from environments.agent.messages import messages_with_json_arguments
 from environments.agent_loop import AgentResult
 from environments.base import Action, BaseEnvironment, State, StepResult
 from environments.errors import AgentError
-from environments.messages import messages_with_json_arguments
 from environments.tool_context import ToolContext
 
 

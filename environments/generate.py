@@ -16,8 +16,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from data import ArtifactStore, Manifest
+from environments.agent.servers import server_configs
 from environments.registry import env_class, env_name
-from environments.servers import server_configs
 
 
 class GenerationPart(BaseModel):

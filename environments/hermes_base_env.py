@@ -26,6 +26,10 @@ from typing import Any, Literal
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from pydantic import Field, field_validator
 
+from environments.agent.messages import messages_with_dict_arguments
+from environments.agent.records import eval_metrics, eval_sample, group_meta
+from environments.agent.servers import build_server, default_server_configs, use_aiohttp_clients
+from environments.agent.tools import resolve_toolsets
 from environments.agent_loop import (
     DEFAULT_MAX_REPEATED_REPLIES,
     DEFAULT_MAX_TOOL_CALLS_PER_REPLY,
@@ -34,16 +38,12 @@ from environments.agent_loop import (
     sanitize,
 )
 from environments.episode import AgentEpisodes
-from environments.messages import messages_with_dict_arguments
 from environments.process_mode import write_groups
-from environments.records import eval_metrics, eval_sample, group_meta
-from environments.sandbox import isolation_report
-from environments.scoring import RolloutScoring
-from environments.servers import build_server, default_server_configs, use_aiohttp_clients
+from environments.sandbox.box import isolation_report
+from environments.sandbox.workspace import WorkspaceItems
 from environments.tool_call_parsers import PARSERS, get_parser
 from environments.tool_context import ToolContext
-from environments.tools import resolve_toolsets
-from environments.workspace import WorkspaceItems
+from environments.verify.scoring import RolloutScoring
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class HermesAgentBaseEnv(BaseEnv, RolloutScoring, WorkspaceItems, AgentEpisodes)
 
     def oracle_policy(self, item: Item) -> Any:
         """A server-like policy that solves `item` (used with `teacher=oracle`)."""
-        from environments.policies import ScriptedPolicy
+        from environments.agent.policies import ScriptedPolicy
 
         return ScriptedPolicy(item["oracle"], self.config.tool_call_parser)
 

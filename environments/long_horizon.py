@@ -16,12 +16,12 @@ from typing import Any, ClassVar
 from environments.agent_loop import AgentResult
 from environments.errors import AgentError
 from environments.hermes_base_env import HermesAgentEnvConfig
-from environments.rewards import efficiency
 from environments.task_env import TaskEnv
 from environments.tasks import long_horizon_tasks as tasks
 from environments.tool_context import ToolContext
-from environments.verify_calls import checks_from, run_checks
-from environments.verify_tests import fresh_verify_dir, run_pytest, write_verifier_file
+from environments.verify.calls import checks_from, run_checks
+from environments.verify.hidden_tests import fresh_verify_dir, run_pytest, write_verifier_file
+from environments.verify.rewards import efficiency
 
 
 class LongHorizonEnvConfig(HermesAgentEnvConfig):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from environments.errors import AgentError
-from environments.sandbox import LocalSandbox, Sandbox
+from environments.sandbox.box import LocalSandbox, Sandbox
 
 SandboxFactory = Callable[[str], Sandbox]
 

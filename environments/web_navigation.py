@@ -16,9 +16,9 @@ from typing import Any
 
 from pydantic import Field
 
+from environments.agent.policies import ScriptedPolicy
 from environments.agent_loop import AgentResult
 from environments.hermes_base_env import HermesAgentEnvConfig
-from environments.policies import ScriptedPolicy
 from environments.task_env import TaskEnv
 from environments.tasks import web_tasks as tasks
 from environments.tool_context import ToolContext

@@ -22,10 +22,10 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from data import ArtifactStore, Manifest
-from environments.records import content_digest
+from environments.agent.records import content_digest
+from environments.agent.servers import server_configs
 from environments.registry import TASK_FAMILIES, categories_of, env_class, env_name
-from environments.sandbox import isolation_report
-from environments.servers import server_configs
+from environments.sandbox.box import isolation_report
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from data.costs import return_free_heap
+from environments.agent.messages import messages_with_dict_arguments
 from environments.hermes_base_env import HermesAgentBaseEnv
-from environments.messages import messages_with_dict_arguments
 
 
 @dataclass

@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from environments.policies import call, final
+from environments.agent.policies import call, final
 from environments.web.site import SIZES, catalog
 
 CATEGORIES = ("under_price", "cheapest", "lookup_price")

@@ -16,9 +16,9 @@ from typing import Any
 
 import httpx
 
+from environments.agent.tools import Tool, tool
 from environments.errors import ToolCallError
 from environments.tool_context import ToolContext
-from environments.tools import Tool, tool
 from environments.web.site import Department, is_live_origin
 
 

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
+from environments.agent.policies import ScriptedPolicy, call, final
+from environments.agent.tools import TOOLSETS, Tool, tool
 from environments.agent_loop import HermesAgentLoop
 from environments.errors import InfraError
-from environments.policies import ScriptedPolicy, call, final
 from environments.tool_call_parsers import get_parser
 from environments.tool_context import ToolContext, live_task_ids, release
 from environments.tool_use_chain import ToolUseChainEnv
-from environments.tools import TOOLSETS, Tool, tool
 
 FILE_TOOLS = TOOLSETS["file"]
 

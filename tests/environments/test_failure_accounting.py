@@ -16,11 +16,11 @@ from typing import Any
 import openai
 import pytest
 
+from environments.agent.policies import ScriptedPolicy
+from environments.agent.tools import TOOLSETS
 from environments.agent_loop import HermesAgentLoop
-from environments.policies import ScriptedPolicy
 from environments.tool_context import live_task_ids, release
 from environments.tool_use_chain import ToolUseChainEnv
-from environments.tools import TOOLSETS
 from tests.environments.conftest import completion
 
 UNTERMINATED = '<tool_call>{"name": "write_file", "arguments": {"path": "a.txt", "content": "oops}'

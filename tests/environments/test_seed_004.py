@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
+from environments.agent.servers import server_configs
 from environments.agent_loop import AgentResult
 from environments.custom.file_stats_env import FileStatsEnv
 from environments.registry import ENVIRONMENTS, env_class
-from environments.servers import server_configs
 from environments.tool_call_parsers import get_parser
 from environments.tool_context import ToolContext, live_task_ids
 from tests.environments.conftest import chat_reply

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 
 from environments.adapter import StepEnvAdapter
+from environments.agent.servers import server_configs
 from environments.base import Action, BaseEnvironment
 from environments.registry import env_class
-from environments.scoring import RewardError
-from environments.servers import server_configs
 from environments.tool_context import live_task_ids
 from environments.tool_use_chain import ToolUseChainEnv
+from environments.verify.scoring import RewardError
 from tests.environments import seed_my_env
 from tests.environments.conftest import chat_reply
 

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from environments.agent.policies import ScriptedPolicy
+from environments.agent.tools import TOOLSETS
 from environments.agent_loop import HermesAgentLoop
-from environments.policies import ScriptedPolicy
 from environments.tool_call_parsers import PARSERS, get_parser
 from environments.tool_context import live_task_ids
-from environments.tools import TOOLSETS
 
 
 @pytest.mark.parametrize("name", sorted(PARSERS))

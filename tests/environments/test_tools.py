@@ -9,9 +9,9 @@ from typing import Literal
 
 import pytest
 
+from environments.agent.tools import TOOLSETS, resolve_toolsets, tool
 from environments.errors import ToolCallError
 from environments.tool_context import ToolContext
-from environments.tools import TOOLSETS, resolve_toolsets, tool
 
 
 @tool

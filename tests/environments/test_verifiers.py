@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
+from environments.agent.policies import ScriptedPolicy, call, do_nothing, final
 from environments.custom.file_stats_env import FileStatsEnv
 from environments.hermes_base_env import HermesAgentBaseEnv
 from environments.long_horizon import LongHorizonEnv
-from environments.policies import ScriptedPolicy, call, do_nothing, final
 from environments.swe_bench import SWEBenchEnv
 from environments.tasks.tool_use_chain_tasks import JSON_ANSWERS
 from environments.tool_context import live_task_ids

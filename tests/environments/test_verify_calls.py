@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from environments.long_horizon import mutant_source
-from environments.sandbox import LocalSandbox
+from environments.sandbox.box import LocalSandbox
 from environments.tasks import long_horizon_tasks, swe_tasks
 from environments.tool_context import ToolContext
-from environments.verify_calls import Check, checks_from, plain_equal, run_checks
-from environments.verify_tests import fresh_verify_dir
+from environments.verify.calls import Check, checks_from, plain_equal, run_checks
+from environments.verify.hidden_tests import fresh_verify_dir
 
 
 def test_checks_parse_from_the_forms_tasks_write() -> None:

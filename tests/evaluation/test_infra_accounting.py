@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from data import ArtifactStore
-from environments.policies import ScriptedPolicy
+from environments.agent.policies import ScriptedPolicy
 from environments.tool_use_chain import ToolUseChainEnv
 from evaluation.agentic import AgenticEvalConfig, InfraFailureRateError, run_agentic_eval
 from evaluation.gate import paired_outcomes

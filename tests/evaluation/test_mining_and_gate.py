@@ -219,7 +219,7 @@ def test_an_item_whose_task_changed_is_not_the_same_item(store: ArtifactStore) -
     from evaluation.gate import shares_items
 
     def with_prompt(rows: list[dict], task: str) -> list[dict]:
-        return [{**r, "task_digest": task} for r in rows]  # What eval samples record (environments/records.py).
+        return [{**r, "task_digest": task} for r in rows]  # What eval samples record (environments/agent/records.py).
 
     def stored(name: str, rows: list[dict]) -> str:
         return store.put("eval", name, {"samples/tool_use_chain.jsonl": _jsonl(rows)}).id

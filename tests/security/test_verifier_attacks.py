@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
+from environments.agent.policies import ScriptedPolicy, call, final
 from environments.hermes_base_env import HermesAgentBaseEnv
 from environments.long_horizon import LongHorizonEnv
-from environments.policies import ScriptedPolicy, call, final
 from environments.swe_bench import SWEBenchEnv
-from environments.verify_tests import parse_junit
+from environments.verify.hidden_tests import parse_junit
 from environments.web_navigation import WebNavigationEnv
 
 Policy = Callable[[dict[str, Any]], list[dict[str, Any]]]

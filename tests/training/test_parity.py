@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from data import ArtifactStore
-from environments.messages import messages_with_dict_arguments
+from environments.agent.messages import messages_with_dict_arguments
 from environments.registry import env_class
 from evaluation.agentic import AgenticEvalConfig, run_agentic_eval
 from tests.environments.conftest import chat_reply

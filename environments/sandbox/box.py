@@ -3,9 +3,9 @@
 `LocalSandbox` is the local backend. Isolated (root on Linux with bubblewrap installed), every
 command runs in its own PID, network, IPC and mount namespaces as a uid leased to this sandbox
 alone, sees only the system folders, the Python environment and its workspace, and dies with
-everything it started (`environments/sandbox_jail.py`); the workspace is a tmpfs with size and
+everything it started (`environments/sandbox/jail.py`); the workspace is a tmpfs with size and
 inode caps, and a cgroup caps memory and processes where the machine has one. File tools open
-paths with `openat2(RESOLVE_BENEATH)` as the sandbox uid (`environments/sandbox_files.py`).
+paths with `openat2(RESOLVE_BENEATH)` as the sandbox uid (`environments/sandbox/files.py`).
 Without that, commands get rlimits, a timeout and a process-group kill only, and a warning
 says so once (`isolation_report()` puts it in evaluation metadata) - or, where
 `FLYWHEEL_REQUIRE_ISOLATION=1` (the production pools set it), no sandbox starts at all.
@@ -32,9 +32,8 @@ from typing import Protocol
 
 from pydantic import BaseModel, Field
 
-from environments import sandbox_files as files
-from environments import sandbox_jail as jail
 from environments.errors import InfraError, SandboxViolation
+from environments.sandbox import files, jail
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import math
 from typing import Any
 
 from environments.agent_loop import AgentResult
-from environments.rewards import judge_verdict, keyword_overlap
 from environments.tool_context import ToolContext
+from environments.verify.rewards import judge_verdict, keyword_overlap
 
 logger = logging.getLogger(__name__)
 Item = dict[str, Any]
