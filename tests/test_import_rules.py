@@ -40,3 +40,45 @@ def test_imports_run_one_way(package: str) -> None:
         if bad:
             wrong[str(path.relative_to(ROOT))] = bad
     assert wrong == {}
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """Our modules `path` imports when it is imported: top-level statements only (not the imports a
+    function makes when called, nor those under `if TYPE_CHECKING:`)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in names if name.split(".")[0] in OURS}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_environments_import_no_circle() -> None:
+    modules = {_module_name(p): p for p in (ROOT / "environments").rglob("*.py")}
+    graph = {name: {m for m in _module_level_imports(path) if m in modules} - {name} for name, path in modules.items()}
+    done: set[str] = set()
+
+    def visit(name: str, stack: list[str]) -> None:
+        assert name not in stack, " -> ".join([*stack[stack.index(name) :], name])
+        if name not in done:
+            for target in sorted(graph[name]):
+                visit(target, [*stack, name])
+            done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+
+
+def test_the_sandbox_imports_nothing_of_the_agent_loop() -> None:
+    """The security boundary is importable and testable alone: errors, the verifiers' ToolContext, itself."""
+    allowed = {"environments.errors", "environments.tool_context"}
+    for path in (ROOT / "environments" / "sandbox").rglob("*.py"):
+        for name in _module_level_imports(path):
+            assert name.startswith(("environments.sandbox", *allowed)), (path.name, name)
