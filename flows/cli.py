@@ -314,8 +314,9 @@ def _train(algorithm: str | None, config: Path, overrides: list[str] | None, gpu
     """Load the config its algorithm names (training.registry); run it here, or launched on `gpus` GPUs."""
     from training.launch import launch_command
 
-    overrides = [*(overrides or []), *([f"algorithm={algorithm}"] if algorithm else [])]
     cfg = load_run_config(config, overrides, default=algorithm or "grpo")
+    if algorithm and cfg.algorithm != algorithm:
+        raise ConfigError(f"{config} is a {cfg.algorithm} config: run `flywheel train {cfg.algorithm}` with it")
     if gpus > 1 or dry_run:
         command = launch_command(cfg, str(config), gpus, overrides, state.store_url)
         if dry_run:

@@ -59,7 +59,8 @@ def test_a_round_killed_in_sft_resumes_without_recomputing(
     assert len([m for m in store.list("dataset") if m.name == "sft-r1"]) == 1
 
     # Every stage's artifacts, the report and its lineage down to the base model.
-    assert "report:" in again.stdout and "Promotion gate" in again.stdout
+    assert again.stdout.splitlines()[-1].startswith("report: ") and "| 1 | **" in again.stdout  # Table, report.
+    assert "sft       r1" in again.stdout and "generate  r1  cached" in again.stdout  # The re-run's stage lines.
     assert "Next round's curriculum" in again.stdout and "Peak resident memory of the round" in again.stdout
     assert "lm-eval task" in again.stdout and "task/flywheel_tool_call" in again.stdout  # Results and their guard.
     assert {"model", "rollouts", "dataset", "checkpoint", "eval", "gate", "weaknesses", "report"} <= {
