@@ -318,7 +318,7 @@ def _train(algorithm: str | None, config: Path, overrides: list[str] | None, gpu
     if algorithm and cfg.algorithm != algorithm:
         raise ConfigError(f"{config} is a {cfg.algorithm} config: run `flywheel train {cfg.algorithm}` with it")
     if gpus > 1 or dry_run:
-        command = launch_command(cfg, str(config), gpus, overrides, state.store_url)
+        command = launch_command(cfg, str(config), gpus, overrides or [], state.store_url)
         if dry_run:
             console.print(" ".join(command), soft_wrap=True, highlight=False)
             return

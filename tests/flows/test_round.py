@@ -61,8 +61,9 @@ def test_a_round_killed_in_sft_resumes_without_recomputing(
     # Every stage's artifacts, the report and its lineage down to the base model.
     assert again.stdout.splitlines()[-1].startswith("report: ") and "| 1 | **" in again.stdout  # Table, report.
     assert "sft       r1" in again.stdout and "generate  r1  cached" in again.stdout  # The re-run's stage lines.
-    assert "Next round's curriculum" in again.stdout and "Peak resident memory of the round" in again.stdout
-    assert "lm-eval task" in again.stdout and "task/flywheel_tool_call" in again.stdout  # Results and their guard.
+    summary = store.read_bytes("report/report-r1", "summary.md").decode()
+    assert "Next round's curriculum" in summary and "Peak resident memory of the round" in summary
+    assert "lm-eval task" in summary and "task/flywheel_tool_call" in summary  # Results and their guard.
     assert {"model", "rollouts", "dataset", "checkpoint", "eval", "gate", "weaknesses", "report"} <= {
         m.kind for m in store.list()
     }
