@@ -173,6 +173,12 @@ class StepEnvAdapter(HermesAgentBaseEnv):
         await self.run_agentic_eval(self.eval_items)
 
 
+def cli(environment_cls: type[BaseEnvironment]) -> None:
+    """`python my_env.py process|evaluate|serve ...` for a seed-style env, as for the built-in envs:
+    end the env's file with `if __name__ == "__main__": cli(MyEnv)`."""
+    adapter_class(environment_cls).cli()
+
+
 def adapter_class(environment_cls: type[BaseEnvironment]) -> type[StepEnvAdapter]:
     """A `StepEnvAdapter` subclass for `environment_cls`, named after it."""
     name = environment_cls.name or environment_cls.__name__

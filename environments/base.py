@@ -106,10 +106,3 @@ class BaseEnvironment:
     def score(self, trajectory: Any) -> float:
         """Score a finished trajectory (envs that give the reward in `step` need not implement it)."""
         raise NotImplementedError(f"{type(self).__name__} gives its reward in step(); it has no score()")
-
-    @classmethod
-    def cli(cls) -> None:
-        """`python my_env.py process|evaluate|serve ...`, as for the built-in envs."""
-        from environments.adapter import adapter_class
-
-        adapter_class(cls).cli()

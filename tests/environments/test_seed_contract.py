@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -123,3 +125,15 @@ def test_a_reward_outside_the_declared_range_is_counted_and_a_nan_is_an_error(
     assert reward == 2.0 and env.rewards_out_of_range == 1  # Kept as given, never clipped to 1.0.
     assert "outside the declared reward_range" in logged
     assert live_task_ids() == []
+
+
+def test_a_seed_env_file_gets_the_three_cli_modes(tmp_path: Path) -> None:
+    """`cli(MyEnv)` at the end of a user's file: `python my_env.py process|evaluate|serve` as for built-in envs."""
+    script = tmp_path / "my_env.py"
+    script.write_text(SEED_ENV_FILE.read_text() + "\n\nif __name__ == '__main__':\n"
+                      "    from environments.adapter import cli\n\n    cli(MyEnv)\n")  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script), "process", "--help"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--env.group_size" in done.stdout and "--openai.base_url" in done.stdout
