@@ -82,10 +82,13 @@ state = _State()
 @app.callback()
 def _root(
     store: Annotated[str | None, typer.Option("--store", envvar="FLYWHEEL_STORE", help=STORE_HELP)] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Every library's logs on stderr.")] = False,
 ) -> None:
     state.store_url, state.verbose = store, verbose
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[stderr_handler()])
+    # Warnings and errors on stderr; `-v`: every library's logs (the model server's output among them).
+    handler = stderr_handler()
+    handler.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, handlers=[handler])
     for noisy in ("httpx", "botocore", "aiobotocore", "s3fs"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
