@@ -1,6 +1,6 @@
 """glibc's malloc vs tcmalloc under SmolLM2's SFT, side by side in one run (`flows/fast_malloc.py`).
 
-Run: .venv/bin/python benchmarks/allocator.py [--store .flywheel] [--dataset dataset/round1-sft] [--steps 4]
+Run: .venv/bin/python benchmarks/allocator.py [--store .flywheel] [--dataset dataset/sft-r1] [--steps 4]
 
 Each arm runs `flywheel train sft` with the default round's SFT settings (one conversation per
 micro-batch, 4 per step, gradient checkpointing, up to 2,048 tokens) on the same dataset artifact
@@ -55,7 +55,7 @@ def sft_run(store: str, dataset: str, steps: int, allocator: str) -> dict[str, f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", default=".flywheel")
-    parser.add_argument("--dataset", default="dataset/round1-sft")
+    parser.add_argument("--dataset", default="dataset/sft-r1")
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
     if fast_malloc_env({}) is None:

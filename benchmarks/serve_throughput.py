@@ -5,7 +5,7 @@ Run: .venv/bin/python benchmarks/serve_throughput.py [--model smollm2] [--reques
      [--concurrency 16 4] [--agentic EVAL_SIZE]
 
 Each setting serves the same model in turn and answers the same `--requests` chat requests, at
-most `--concurrency` in flight at once (as an evaluation's `eval_concurrency` rollouts are; several
+most `--concurrency` in flight at once (as a round's `eval.concurrency` rollouts are; several
 values: each setting is measured at each). Printed per setting: wall seconds, completion tokens per
 second, and the speed-up over the first setting (the shipped default) at the first concurrency.
 

@@ -66,9 +66,9 @@ def env_class(spec: str) -> Any:
 
 
 def env_name(spec: str) -> str:
-    """A short name for `spec` in file names and metrics: a registered name as it is, a module:Class or
-    a file by its class's `name` (else the class name), never a path."""
-    if spec in ENVIRONMENTS:
+    """A short name for `spec` in file names, metrics and samples: a registered name (or any plain
+    label) as it is, a module:Class or a file by its class's `name` (else the class name), never a path."""
+    if spec in ENVIRONMENTS or not is_env_spec(spec):  # A registered name, or a plain label: as it is.
         return spec
     cls = env_class(spec)
     return getattr(cls, "name", None) or cls.__name__

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from environments.registry import teacher_turns
+from environments.registry import env_name, teacher_turns
 from environments.task_stream import DIFFICULTIES
 
 SliceClass = Literal["unsolved", "learnable", "mastered", "locked"]
@@ -109,8 +109,9 @@ def build_curriculum(
     config = config or CurriculumConfig()
     curriculum: dict[str, Any] = {}
     for env, categories in families.items():
+        sources = {env, env_name(env)}  # Samples name a file or module:Class env by its class's name.
         if not categories:  # An env without task categories is one slice, `*`, with nothing to unlock.
-            own = [row for row in outcomes if row["source"] == env]
+            own = [row for row in outcomes if row["source"] in sources]
             counts = {(env, "*", "*"): [sum(bool(row["success"]) for row in own), len(own)]}
             row = _classify(env, "*", "*", counts, config) | {"slice": "*"}
             curriculum[env] = {"slices": [row], "unlocked": ["*"], "newly_unlocked": []}
@@ -118,7 +119,7 @@ def build_curriculum(
         levels = (difficulty,) if difficulty else DIFFICULTIES
         before = set((previous or {}).get(env, {}).get("unlocked", []))
         opened = before | {f"{c}/{levels[0]}" for c in categories}
-        counts = _counts([row for row in outcomes if row["source"] == env], opened)
+        counts = _counts(env, [row for row in outcomes if row["source"] in sources], opened)
         rows, unlocked = [], set(opened)
         for category in categories:  # Easiest first: a slice mastered now unlocks the next one at once.
             for level, harder in zip(levels, (*levels[1:], None), strict=True):
@@ -137,12 +138,12 @@ def build_curriculum(
     return curriculum
 
 
-def _counts(rows: list[dict[str, Any]], opened: set[str]) -> dict[tuple[str, str, str], list[int]]:
-    """[wins, n] per evidence level; the parent levels count only slices open before this round, so a
-    locked harder slice (never trained) cannot drag an easier one's parent evidence."""
+def _counts(env: str, rows: list[dict[str, Any]], opened: set[str]) -> dict[tuple[str, str, str], list[int]]:
+    """[wins, n] per evidence level of `env`'s rows; the parent levels count only slices open before this
+    round, so a locked harder slice (never trained) cannot drag an easier one's parent evidence."""
     counts: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
     for row in rows:
-        own, *parents = _levels(row["source"], row["category"], row["difficulty"])
+        own, *parents = _levels(env, row["category"], row["difficulty"])
         for key in [own] + (parents if f"{row['category']}/{row['difficulty']}" in opened else []):
             counts[key][0] += bool(row["success"])
             counts[key][1] += 1

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from data import ArtifactStore, Manifest
+from environments.registry import env_name
 from evaluation.weakness import stored_curriculum
 
 FLAGGED, UNFLAGGED = "#cc3311", "#777777"
@@ -195,7 +196,7 @@ def _across_rounds(
         per_slice[n] = {key: won / total for key, (won, total) in slice_counts.items()}
         curriculum = stored_curriculum(store, evidence["weaknesses"]) if evidence.get("weaknesses") else None
         classes[n] = {
-            f"{env}/{row['slice']}": row["class"]
+            f"{env_name(env)}/{row['slice']}": row["class"]
             for env, spec in ((curriculum or {}).get("slices") or {}).items()
             for row in spec["slices"]
         }

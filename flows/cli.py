@@ -487,7 +487,8 @@ def plan(
     """Print, as JSON, what each stage of a round would run (device, dtype, server, trainer, GPUs, pool)."""
     from flows.plan import round_plan
 
-    _print_json(round_plan(_round_config(profile, config, overrides, device), profile))
+    name = profile or (config.stem if config else "default")
+    _print_json(round_plan(_round_config(profile, config, overrides, device), name))
 
 
 @app.command("round")
@@ -508,8 +509,11 @@ def run_round(
 
     The round is `--profile` (default: `default`), then `--config FILE`, then `key=value` overrides
     (`sft.total_steps=8`); `--show-config` prints every field with its description."""
+    from flows.console import log_file_for, quiet_libraries, round_console
     from flows.round_config import config_yaml
 
+    if not state.verbose:
+        quiet_libraries()
     if dispatch not in ("local", "deployments"):
         raise ConfigError(f"unknown dispatch '{dispatch}': choose local or deployments")
     profile = "quick" if quick else profile
@@ -517,10 +521,6 @@ def run_round(
     if show_config:
         _write(config_yaml(cfg))
         return
-    from flows.console import log_file_for, quiet_libraries, round_console
-
-    if not state.verbose:
-        quiet_libraries()
     from flows.flywheel import flywheel  # Prefect configures logging on import: routed after it.
     from flows.results import results_table
 

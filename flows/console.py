@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rich.console import Console
+from rich.live import Live
+from rich.spinner import Spinner
 
 from data import ArtifactStore, Manifest
 
@@ -83,13 +85,18 @@ class _ProgressHandler(logging.Handler):
     def __init__(self, console: Console) -> None:
         super().__init__(logging.INFO)
         self.console = console
-        self.status = console.status("") if console.is_terminal else None
+        # A spinner that leaves sys.stdout / sys.stderr alone (Rich's `status` would send them to the terminal).
+        self.status = (
+            Live(Spinner("dots"), console=console, transient=True, redirect_stdout=False, redirect_stderr=False)
+            if console.is_terminal
+            else None
+        )
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
         if getattr(record, "stage_event", None) == "start":
             if self.status is not None:
-                self.status.update(message)
+                self.status.update(Spinner("dots", text=message))
                 self.status.start()
             return
         if self.status is not None:
@@ -115,7 +122,7 @@ def stderr_handler(stream: TextIO | None = None) -> logging.Handler:
 
 
 def quiet_libraries() -> None:
-    """Before the libraries are imported: no progress bars, which would go around the log file."""
+    """No progress bars from the libraries that read these when they draw one (they would fill the log)."""
     os.environ.setdefault("TQDM_DISABLE", "1")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 

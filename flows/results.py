@@ -48,6 +48,8 @@ def round_row(store: ArtifactStore, n: int) -> dict[str, Any]:
 
 def results_table(store: ArtifactStore) -> str:
     """The markdown table of every finished round of `store` (round 0: the base model)."""
+    if store.try_resolve(f"gate/{round_name('gate', 0)}") is None:
+        return f"no round has finished in {store.url} yet"
     rows = [round_row(store, n) for n in range(completed_rounds(store) + 1)]
     envs = sorted({env for row in rows for env in row["envs"]})
     tasks = sorted({task for row in rows for task in row["lm_eval"]})

@@ -220,7 +220,7 @@ def rl(params: RLParams, callbacks: list[Any] | None = None) -> Manifest:
 
 
 def _train(cfg: TrainConfig, params: StageParams, callbacks: list[Any] | None) -> Manifest:
-    """Train here, or launched with accelerate on the round.s GPUs (steps then show in the run log)."""
+    """Train here, or launched with accelerate on the round's GPUs (steps then show in the run log)."""
     if params.config.gpus > 1:
         return launch(cfg, params.store(), params.config.gpus)
     return run_training(cfg, params.store(), callbacks=callbacks)
@@ -240,7 +240,7 @@ def evaluate(params: EvaluateParams, progress: Progress | None = None) -> Manife
 
 @track_costs()
 def lm_eval(params: LMEvalParams) -> Manifest:
-    """The round.s lm-eval tasks on the model: `hf` in this process on CPU, `vllm` on CUDA."""
+    """The round's lm-eval tasks on the model: `hf` in this process on CPU, `vllm` on CUDA."""
     store = params.store()
     model_dir = resolve_model(params.model, store)
     return run_lm_eval(lm_eval_config(params), store, model_dir, model_ref_of(store, params.model))

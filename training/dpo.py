@@ -1,6 +1,6 @@
 """DPO with TRL's `DPOTrainer`: best vs worst rollout of a group, from curated pairs or sampled online.
 
-    flywheel train dpo --config training/configs/dpo_tiny.yaml dataset=dataset/round1-pairs
+    flywheel train dpo --config training/configs/dpo_tiny.yaml dataset=dataset/pairs-r1
     flywheel train dpo --config training/configs/dpo_tiny.yaml dataset=null envs=[file_stats]
 
 With `dataset`, the pairs come from that artifact. Without one, the run samples them online:

@@ -392,3 +392,13 @@ def test_a_teacher_group_floor_teaches_as_many_unsolved_slices_as_the_budget_giv
     small = build_curriculum([], families, config=floor)
     plan_generation(small, groups=4, config=floor, max_turns=6)
     assert list(taught(small).values()) == [4]
+
+
+def test_an_env_named_by_file_or_class_gets_its_samples_as_evidence() -> None:
+    """A round names a user's env by its file (or `module:Class`); its samples carry the class's `name`."""
+    spec = "environments.tool_use_chain:ToolUseChainEnv"
+    script = {("todo_report", "easy"): (12, 12), ("line_count", "easy"): (0, 12)}
+    curriculum = build_curriculum(outcomes(script), {spec: CATEGORIES})
+    rows = {row["slice"]: row for row in curriculum[spec]["slices"]}
+    assert rows["todo_report/easy"]["class"] == "mastered" and rows["todo_report/easy"]["n"] == 12
+    assert rows["line_count/easy"]["n"] == 12 and rows["line_count/easy"]["class"] == "unsolved"
