@@ -170,6 +170,25 @@ def build_report(
         return store.put("report", name, out, parents=[m.id for m in manifests], metrics=metrics)
 
 
+def agentic_counts(store: ArtifactStore, eval_refs: list[str]) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """[successes, items scored] per env and per `env/category/difficulty` slice in the agentic samples
+    of `eval_refs` (lm-eval samples and infra failures left out): the report's and the results table's."""
+    per_env: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    per_slice: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for ref in eval_refs:
+        manifest = store.manifest(ref)
+        for path in (p for p in manifest.files if p.startswith("samples/")):
+            for line in store.read_bytes(manifest.id, path).decode().splitlines():
+                sample = json.loads(line)
+                if "env" not in sample or sample.get("reward") is None:
+                    continue
+                key = f"{sample['env']}/{sample.get('category')}/{sample.get('difficulty')}"
+                for counts in (per_env[sample["env"]], per_slice[key]):
+                    counts[0] += bool(sample["success"])
+                    counts[1] += 1
+    return dict(per_env), dict(per_slice)
+
+
 def _across_rounds(
     store: ArtifactStore, rounds: dict[int, dict[str, Any]]
 ) -> tuple[dict[int, dict[str, float]], dict[int, dict[str, float]], dict[int, dict[str, str]]]:
@@ -179,19 +198,7 @@ def _across_rounds(
     per_slice: dict[int, dict[str, float]] = {}
     classes: dict[int, dict[str, str]] = {}
     for n, evidence in sorted(rounds.items()):
-        env_counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-        slice_counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-        for ref in evidence["evals"]:
-            manifest = store.manifest(ref)
-            for path in (p for p in manifest.files if p.startswith("samples/")):
-                for line in store.read_bytes(manifest.id, path).decode().splitlines():
-                    sample = json.loads(line)
-                    if "env" not in sample or sample.get("reward") is None:
-                        continue
-                    key = f"{sample['env']}/{sample.get('category')}/{sample.get('difficulty')}"
-                    for counts in (env_counts[sample["env"]], slice_counts[key]):
-                        counts[0] += bool(sample["success"])
-                        counts[1] += 1
+        env_counts, slice_counts = agentic_counts(store, evidence["evals"])
         per_env[n] = {env: won / total for env, (won, total) in env_counts.items()}
         per_slice[n] = {key: won / total for key, (won, total) in slice_counts.items()}
         curriculum = stored_curriculum(store, evidence["weaknesses"]) if evidence.get("weaknesses") else None

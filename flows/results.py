@@ -7,13 +7,12 @@ round` ends with it, and `scripts/results_table.py` writes it into the README.
 
 from __future__ import annotations
 
-import json
 import re
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from data import ArtifactStore
+from evaluation.report import agentic_counts
 from flows.flywheel import completed_rounds
 from flows.work import round_name
 
@@ -23,7 +22,7 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 def round_row(store: ArtifactStore, n: int) -> dict[str, Any]:
     """Round n's candidate: successes and items per env and overall, lm-eval scores, the gate's verdict."""
     decision = store.read_json(f"gate/{round_name('gate', n)}", "decision.json")
-    envs: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    envs, _ = agentic_counts(store, decision["candidate_evals"])
     lm_eval: dict[str, float] = {}
     for ref in decision["candidate_evals"]:
         results = store.read_json(ref, "results.json")
@@ -32,18 +31,10 @@ def round_row(store: ArtifactStore, n: int) -> dict[str, Any]:
                 score = values.get("acc,none", values.get("exact_match,none"))
                 if isinstance(score, float):
                     lm_eval[task] = score
-            continue
-        manifest = store.manifest(ref)
-        for path in (p for p in manifest.files if p.startswith("samples/")):
-            for line in store.read_bytes(ref, path).decode().splitlines():
-                sample = json.loads(line)
-                if sample.get("reward") is not None:  # An infra failure is no item scored.
-                    envs[sample["env"]][0] += bool(sample["success"])
-                    envs[sample["env"]][1] += 1
     gate = "—" if n == 0 else ("promoted" if decision["promote"] else "kept out")
     if n and "primary_delta" in decision:
         gate += f", {decision['primary_delta']:+.3f} (P {decision['p_better']:.2f})"
-    return {"envs": dict(envs), "lm_eval": lm_eval, "gate": gate}
+    return {"envs": envs, "lm_eval": lm_eval, "gate": gate}
 
 
 def results_table(store: ArtifactStore) -> str:
