@@ -44,10 +44,10 @@ XDIST := -n 2 --no-loadscope-reorder
 
 test: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m flows.fast_malloc $(PY) -m pytest $(XDIST)
+	$(PY) -m flywheel.flows.fast_malloc $(PY) -m pytest $(XDIST)
 
 test-fast: install
-	$(PY) -m flows.fast_malloc $(PY) -m pytest $(XDIST) -m "not slow and not sweep"
+	$(PY) -m flywheel.flows.fast_malloc $(PY) -m pytest $(XDIST) -m "not slow and not sweep"
 
 bench: install
 	$(PY) benchmarks/store_throughput.py

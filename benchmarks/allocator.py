@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from flows.fast_malloc import OPT_OUT, fast_malloc_env
+from flywheel.flows.fast_malloc import OPT_OUT, fast_malloc_env
 
 ROOT = Path(__file__).resolve().parent.parent
 

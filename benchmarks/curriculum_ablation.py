@@ -30,14 +30,14 @@ import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
-from data import ArtifactStore
-from environments.task_stream import DIFFICULTIES
-from evaluation.gate import decide, paired_outcomes
-from flows.flywheel import completed_rounds, plain_stage, plan_round, planned_groups, run_round, sft_steps
-from flows.round_config import RoundConfig, overridden, profile, profile_names
-from flows.stages import STAGES
-from flows.work import round_name
-from training.models import resolve_model
+from flywheel.data import ArtifactStore
+from flywheel.environments.task_stream import DIFFICULTIES
+from flywheel.evaluation.gate import decide, paired_outcomes
+from flywheel.flows.flywheel import completed_rounds, plain_stage, plan_round, planned_groups, run_round, sft_steps
+from flywheel.flows.round_config import RoundConfig, overridden, profile, profile_names
+from flywheel.flows.stages import STAGES
+from flywheel.flows.work import round_name
+from flywheel.training.models import resolve_model
 
 ARMS = ("mined", "uniform")
 

@@ -3,7 +3,7 @@ plain script, side by side in one process, against a real local Prefect server.
 
 Run: .venv/bin/python benchmarks/orchestration_overhead.py [--profile quick] [--repeats 1]
 
-"plain" calls `flows.work` stage by stage (exactly what each stage flow runs, without Prefect);
+"plain" calls `flywheel.flows.work` stage by stage (exactly what each stage flow runs, without Prefect);
 "flows" runs the `flywheel` flow (local dispatch: a cached task run per stage, cache records, UI
 artifacts, run logs, API calls). Both start from an empty store. Printed: each stage's seconds both
 ways (a flow stage's from its task run in the API), then
@@ -23,15 +23,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flows.local_server import local_server
-from flows.round_config import RoundConfig, profile, profile_names
+from flywheel.flows.local_server import local_server
+from flywheel.flows.round_config import RoundConfig, profile, profile_names
 
 
 def plain_round(store_url: str, p: RoundConfig, seconds: dict[str, float] | None = None) -> str:
     """Round 1 (and round 0 before it) through `run_round`, each stage its library calls, no orchestration;
     `seconds` gets each stage's wall time (`<stage>-r<round>`)."""
-    from data import ArtifactStore
-    from flows.flywheel import plain_stage, run_round
+    from flywheel.data import ArtifactStore
+    from flywheel.flows.flywheel import plain_stage, run_round
 
     store = ArtifactStore(store_url)
     stage = plain_stage(store, p)
@@ -52,7 +52,7 @@ def flows_round(profile: str, store_url: str, **options: Any) -> tuple[float, di
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    from flows.flywheel import flywheel  # Prefect reads its settings on import: after the server is up.
+    from flywheel.flows.flywheel import flywheel  # Prefect reads its settings on import: after the server is up.
 
     started = time.perf_counter()
     state = flywheel(profile=profile, store_url=store_url, return_state=True, **options)

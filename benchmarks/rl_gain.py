@@ -19,10 +19,10 @@ import argparse
 import json
 from typing import Any
 
-from data import ArtifactStore
-from flows import work
-from flows.round_config import load_round_config, profile_names
-from training.models import base_model
+from flywheel.data import ArtifactStore
+from flywheel.flows import work
+from flywheel.flows.round_config import load_round_config, profile_names
+from flywheel.training.models import base_model
 
 
 def main() -> None:

@@ -111,9 +111,9 @@ class PhaseProfiler:
     @contextlib.contextmanager
     def patched(self, env: Any) -> Iterator[None]:
         """Inside: `env`'s rollouts are profiled (run `env.process_manager()` in `_PHASE` "process")."""
-        from environments import tool_context
-        from environments.agent import tools
-        from environments.sandbox import workspace
+        from flywheel.environments import tool_context
+        from flywheel.environments.agent import tools
+        from flywheel.environments.sandbox import workspace
 
         cls, context = type(env), tool_context.ToolContext
         wrap = {

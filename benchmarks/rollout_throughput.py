@@ -74,7 +74,7 @@ async def saturated_rate(base_url: str, requests: int, concurrency: int) -> floa
 def make_env(base_url: str, tokenizer: str, groups: int, concurrency: int, out: Path):  # type: ignore[no-untyped-def]
     from atroposlib.envs.base import APIServerConfig
 
-    from environments.tool_use_chain import ToolUseChainEnv
+    from flywheel.environments.tool_use_chain import ToolUseChainEnv
 
     server = APIServerConfig(
         base_url=base_url, model_name="bench", api_key="x", server_type="openai", health_check=False,
@@ -116,9 +116,9 @@ def main() -> None:
 
     from atroposlib.envs.base import BaseEnv
 
-    from data import ArtifactStore
-    from inference import free_port, wait_until_healthy
-    from training.models import resolve_model
+    from flywheel.data import ArtifactStore
+    from flywheel.inference import free_port, wait_until_healthy
+    from flywheel.training.models import resolve_model
 
     tokenizer = args.tokenizer or str(resolve_model("tiny", ArtifactStore()))
     port = free_port()

@@ -29,12 +29,12 @@ from typing import Any
 
 import httpx
 
-from data import ArtifactStore
-from environments.registry import TASK_FAMILIES, env_class
-from evaluation.agentic import AgenticEvalConfig, run_agentic_eval
-from flows.round_config import profile
-from inference import ModelServer, ServerConfig
-from training.models import resolve_model
+from flywheel.data import ArtifactStore
+from flywheel.environments.registry import TASK_FAMILIES, env_class
+from flywheel.evaluation.agentic import AgenticEvalConfig, run_agentic_eval
+from flywheel.flows.round_config import profile
+from flywheel.inference import ModelServer, ServerConfig
+from flywheel.training.models import resolve_model
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "shipped default": {},

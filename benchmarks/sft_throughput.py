@@ -2,7 +2,7 @@
 
 Run: .venv/bin/python benchmarks/sft_throughput.py [--model tiny] [--steps 10] [--repeats 2] [--fp32]
 
-The data are oracle trajectories of ToolUseChainEnv (curated). "Ours" is `training.sft.run_sft`
+The data are oracle trajectories of ToolUseChainEnv (curated). "Ours" is `flywheel.training.sft.run_sft`
 end to end (tokenisation with assistant masks, training, checkpoint into the store); "plain" is
 the script a TRL user writes: `load_dataset("json")` + `SFTTrainer(assistant_only_loss=True)` +
 `save_model`. Both train on the same tokens, in the device's precision (bf16 autocast where the
@@ -36,8 +36,8 @@ trainer.save_model(out + "/final")
 
 
 def oracle_rows(tokenizer_dir: str, count: int) -> list[dict]:
-    from data.curation import curate
-    from environments.tool_use_chain import ToolUseChainEnv
+    from flywheel.data.curation import curate
+    from flywheel.environments.tool_use_chain import ToolUseChainEnv
 
     env = ToolUseChainEnv(tokenizer_name=tokenizer_dir, teacher="oracle", group_size=1, difficulty="easy")
 
@@ -53,10 +53,10 @@ def main() -> None:
     import subprocess
     import sys
 
-    from data import ArtifactStore
-    from training.device import cpu_computes_bf16
-    from training.models import resolve_model
-    from training.sft import SFTRunConfig
+    from flywheel.data import ArtifactStore
+    from flywheel.training.device import cpu_computes_bf16
+    from flywheel.training.models import resolve_model
+    from flywheel.training.sft import SFTRunConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
@@ -76,7 +76,8 @@ def main() -> None:
             cfg = SFTRunConfig(policy_model=args.model, dataset=str(data), total_steps=args.steps, batch_size=4,
                                learning_rate=1e-4, logs_root=f"{tmp}/logs", output_name=name,
                                mixed_precision=mixed_precision)  # fmt: skip
-            subprocess.run([sys.executable, "-c", f"from training.sft import *; from data import ArtifactStore; "
+            subprocess.run([sys.executable, "-c", f"from flywheel.training.sft import *; from flywheel.data import ArtifactStore; "
+                            
                             f"run_sft(SFTRunConfig.model_validate_json({cfg.model_dump_json()!r}), ArtifactStore())"],
                            check=True, capture_output=True)  # fmt: skip
             return time.perf_counter() - started

@@ -23,7 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
-from data import ArtifactStore
+from flywheel.data import ArtifactStore
 
 
 def _timed(call) -> float:

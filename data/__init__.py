@@ -1,9 +1,9 @@
 """Artifacts: the content-addressed store, manifests, refs and lineage."""
 
-from data.errors import ArtifactNotFound, CorruptBlobError, RefConflict, StoreError
-from data.lineage import LineageNode, lineage
-from data.manifest import FileEntry, Manifest
-from data.store import ArtifactStore
+from flywheel.data.errors import ArtifactNotFound, CorruptBlobError, RefConflict, StoreError
+from flywheel.data.lineage import LineageNode, lineage
+from flywheel.data.manifest import FileEntry, Manifest
+from flywheel.data.store import ArtifactStore
 
 __all__ = [
     "ArtifactNotFound",

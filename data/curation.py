@@ -282,7 +282,7 @@ def _jaccard(a: set[str], b: set[str]) -> float:
 
 def read_groups(store: Any, ref: str) -> list[dict[str, Any]]:
     """Every group in the JSONL files of a `rollouts` artifact; a bad line is a clear error."""
-    from data.errors import StoreError
+    from flywheel.data.errors import StoreError
 
     manifest = store.manifest(ref)
     groups = []

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from data.manifest import Manifest
-from data.store import ArtifactStore
+from flywheel.data.manifest import Manifest
+from flywheel.data.store import ArtifactStore
 
 
 @dataclass

@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from data.errors import ArtifactNotFound, CorruptBlobError, RefConflict, StoreError
+from flywheel.data.errors import ArtifactNotFound, CorruptBlobError, RefConflict, StoreError
 
 RefValue = dict[str, Any]
 _MAX_OBJECT_BYTES = 64 * 1024 * 1024  # Refs and manifests; a larger one is corrupt, not read into memory.

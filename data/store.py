@@ -40,10 +40,10 @@ from typing import Any
 import fsspec
 from pydantic import ValidationError
 
-from data.costs import cost_metrics
-from data.errors import ArtifactNotFound, CorruptBlobError, StoreError, translate
-from data.manifest import FileEntry, Manifest, check_relpaths
-from data.refs import (
+from flywheel.data.costs import cost_metrics
+from flywheel.data.errors import ArtifactNotFound, CorruptBlobError, StoreError, translate
+from flywheel.data.manifest import FileEntry, Manifest, check_relpaths
+from flywheel.data.refs import (
     LocalRefBackend,
     RefBackend,
     S3RefBackend,
@@ -52,8 +52,8 @@ from data.refs import (
     read_s3_object,
     update_ref,
 )
-from data.transfer import STAGING, Progress, Transfer, source_state
-from data.verify import artifact_problems, copy_matches, discard, staging_problems
+from flywheel.data.transfer import STAGING, Progress, Transfer, source_state
+from flywheel.data.verify import artifact_problems, copy_matches, discard, staging_problems
 
 DEFAULT_STORE = "./.flywheel"
 STORE_ENV = "FLYWHEEL_STORE"

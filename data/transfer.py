@@ -25,9 +25,9 @@ from typing import Any, BinaryIO
 
 from fsspec.asyn import sync
 
-from data.errors import CorruptBlobError, StoreError, translate
-from data.manifest import FileEntry
-from data.refs import open_regular, publish, staged_file
+from flywheel.data.errors import CorruptBlobError, StoreError, translate
+from flywheel.data.manifest import FileEntry
+from flywheel.data.refs import open_regular, publish, staged_file
 
 STAGING = "tmp"
 _CHUNK = 8 * 1024 * 1024  # Local copy and hash step.

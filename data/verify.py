@@ -19,10 +19,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from data.errors import StoreError, translate
-from data.manifest import FileEntry, Manifest
-from data.refs import open_regular
-from data.transfer import STAGING, Transfer, copy_hashing
+from flywheel.data.errors import StoreError, translate
+from flywheel.data.manifest import FileEntry, Manifest
+from flywheel.data.refs import open_regular
+from flywheel.data.transfer import STAGING, Transfer, copy_hashing
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from flows.local_server import local_server
+from flywheel.flows.local_server import local_server
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM_FLAGS = [

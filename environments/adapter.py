@@ -22,12 +22,12 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from environments.agent.servers import default_tokenizer
-from environments.agent_loop import AgentResult, HermesAgentLoop
-from environments.base import Action, BaseEnvironment, State
-from environments.hermes_base_env import HermesAgentBaseEnv, HermesAgentEnvConfig
-from environments.tool_call_parsers import ParsedToolCall
-from environments.tool_context import ToolContext
+from flywheel.environments.agent.servers import default_tokenizer
+from flywheel.environments.agent_loop import AgentResult, HermesAgentLoop
+from flywheel.environments.base import Action, BaseEnvironment, State
+from flywheel.environments.hermes_base_env import HermesAgentBaseEnv, HermesAgentEnvConfig
+from flywheel.environments.tool_call_parsers import ParsedToolCall
+from flywheel.environments.tool_context import ToolContext
 
 logger = logging.getLogger(__name__)
 

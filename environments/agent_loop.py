@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Protocol
 
-from environments.agent.messages import messages_with_json_arguments
-from environments.agent.tools import TOOLSETS, Tool, defined_tools
-from environments.errors import AgentError, InfraError, ToolParseError
-from environments.tool_call_parsers import ParsedToolCall, get_parser
-from environments.tool_context import ToolContext
+from flywheel.environments.agent.messages import messages_with_json_arguments
+from flywheel.environments.agent.tools import TOOLSETS, Tool, defined_tools
+from flywheel.environments.errors import AgentError, InfraError, ToolParseError
+from flywheel.environments.tool_call_parsers import ParsedToolCall, get_parser
+from flywheel.environments.tool_context import ToolContext
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class AgentResult:
     """What a rollout produced (the step contract's trajectory, docs/architecture.md).
 
     `messages` are OpenAI format: a tool call's `function.arguments` is a JSON string
-    (`environments.agent.messages.tool_call_arguments` gives the dict). The env fills in
+    (`flywheel.environments.agent.messages.tool_call_arguments` gives the dict). The env fills in
     `task_completed` (its verifier's verdict; None when it has none) and `key_decisions_hit`
     (share of its declared key decisions the agent made) before `compute_reward` runs, so a
     reward function can read them, as in the reward template in docs/architecture.md.

@@ -9,7 +9,7 @@
 done, info). Rewards usually come at the end: 0 for intermediate steps, the verifier's score when
 `done`. Every built-in env is a `BaseEnvironment`, and a user's subclass runs everywhere a
 built-in does (process / evaluate / serve, GRPO, `AtroposRunner`, a flywheel round) through one
-adapter, `environments.adapter.StepEnvAdapter`, which turns each model reply into an `Action` and
+adapter, `flywheel.environments.adapter.StepEnvAdapter`, which turns each model reply into an `Action` and
 each `next_state` into the next tool or user message.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from environments.tool_call_parsers import ParsedToolCall, get_parser
+from flywheel.environments.tool_call_parsers import ParsedToolCall, get_parser
 
 ToolCall = ParsedToolCall
 

@@ -12,11 +12,11 @@ import asyncio
 import uuid
 from typing import Any
 
-from environments.agent.messages import messages_with_json_arguments
-from environments.agent_loop import AgentResult
-from environments.base import Action, BaseEnvironment, State, StepResult
-from environments.errors import AgentError
-from environments.tool_context import ToolContext
+from flywheel.environments.agent.messages import messages_with_json_arguments
+from flywheel.environments.agent_loop import AgentResult
+from flywheel.environments.base import Action, BaseEnvironment, State, StepResult
+from flywheel.environments.errors import AgentError
+from flywheel.environments.tool_context import ToolContext
 
 
 class AgentEpisodes(BaseEnvironment):

@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from data import ArtifactStore, Manifest
-from environments.agent.servers import server_configs
-from environments.registry import env_class, env_name
+from flywheel.data import ArtifactStore, Manifest
+from flywheel.environments.agent.servers import server_configs
+from flywheel.environments.registry import env_class, env_name
 
 
 class GenerationPart(BaseModel):

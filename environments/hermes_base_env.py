@@ -26,24 +26,24 @@ from typing import Any, Literal
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from pydantic import Field, field_validator
 
-from environments.agent.messages import messages_with_dict_arguments
-from environments.agent.records import eval_metrics, eval_sample, group_meta
-from environments.agent.servers import build_server, default_server_configs, use_aiohttp_clients
-from environments.agent.tools import resolve_toolsets
-from environments.agent_loop import (
+from flywheel.environments.agent.messages import messages_with_dict_arguments
+from flywheel.environments.agent.records import eval_metrics, eval_sample, group_meta
+from flywheel.environments.agent.servers import build_server, default_server_configs, use_aiohttp_clients
+from flywheel.environments.agent.tools import resolve_toolsets
+from flywheel.environments.agent_loop import (
     DEFAULT_MAX_REPEATED_REPLIES,
     DEFAULT_MAX_TOOL_CALLS_PER_REPLY,
     AgentResult,
     HermesAgentLoop,
     sanitize,
 )
-from environments.episode import AgentEpisodes
-from environments.process_mode import write_groups
-from environments.sandbox.box import isolation_report
-from environments.sandbox.workspace import WorkspaceItems
-from environments.tool_call_parsers import PARSERS, get_parser
-from environments.tool_context import ToolContext
-from environments.verify.scoring import RolloutScoring
+from flywheel.environments.episode import AgentEpisodes
+from flywheel.environments.process_mode import write_groups
+from flywheel.environments.sandbox.box import isolation_report
+from flywheel.environments.sandbox.workspace import WorkspaceItems
+from flywheel.environments.tool_call_parsers import PARSERS, get_parser
+from flywheel.environments.tool_context import ToolContext
+from flywheel.environments.verify.scoring import RolloutScoring
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class HermesAgentBaseEnv(BaseEnv, RolloutScoring, WorkspaceItems, AgentEpisodes)
 
     def oracle_policy(self, item: Item) -> Any:
         """A server-like policy that solves `item` (used with `teacher=oracle`)."""
-        from environments.agent.policies import ScriptedPolicy
+        from flywheel.environments.agent.policies import ScriptedPolicy
 
         return ScriptedPolicy(item["oracle"], self.config.tool_call_parser)
 

@@ -13,15 +13,15 @@ import random
 import secrets
 from typing import Any, ClassVar
 
-from environments.agent_loop import AgentResult
-from environments.errors import AgentError
-from environments.hermes_base_env import HermesAgentEnvConfig
-from environments.task_env import TaskEnv
-from environments.tasks import long_horizon_tasks as tasks
-from environments.tool_context import ToolContext
-from environments.verify.calls import checks_from, run_checks
-from environments.verify.hidden_tests import fresh_verify_dir, run_pytest, write_verifier_file
-from environments.verify.rewards import efficiency
+from flywheel.environments.agent_loop import AgentResult
+from flywheel.environments.errors import AgentError
+from flywheel.environments.hermes_base_env import HermesAgentEnvConfig
+from flywheel.environments.task_env import TaskEnv
+from flywheel.environments.tasks import long_horizon_tasks as tasks
+from flywheel.environments.tool_context import ToolContext
+from flywheel.environments.verify.calls import checks_from, run_checks
+from flywheel.environments.verify.hidden_tests import fresh_verify_dir, run_pytest, write_verifier_file
+from flywheel.environments.verify.rewards import efficiency
 
 
 class LongHorizonEnvConfig(HermesAgentEnvConfig):

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from environments.agent_loop import sanitize
+from flywheel.environments.agent_loop import sanitize
 
 if TYPE_CHECKING:
-    from environments.hermes_base_env import HermesAgentBaseEnv
+    from flywheel.environments.hermes_base_env import HermesAgentBaseEnv
 
 logger = logging.getLogger(__name__)
 

@@ -15,14 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from environments.task_stream import DIFFICULTIES, TaskStream
+from flywheel.environments.task_stream import DIFFICULTIES, TaskStream
 
 ENVIRONMENTS = {
-    "tool_use_chain": "environments.tool_use_chain:ToolUseChainEnv",
-    "web_navigation": "environments.web_navigation:WebNavigationEnv",
-    "swe_bench": "environments.swe_bench:SWEBenchEnv",
-    "long_horizon": "environments.long_horizon:LongHorizonEnv",
-    "file_stats": "environments.custom.file_stats_env:FileStatsEnv",
+    "tool_use_chain": "flywheel.environments.tool_use_chain:ToolUseChainEnv",
+    "web_navigation": "flywheel.environments.web_navigation:WebNavigationEnv",
+    "swe_bench": "flywheel.environments.swe_bench:SWEBenchEnv",
+    "long_horizon": "flywheel.environments.long_horizon:LongHorizonEnv",
+    "file_stats": "flywheel.environments.custom.file_stats_env:FileStatsEnv",
 }
 
 TASK_FAMILIES = ("tool_use_chain", "web_navigation", "swe_bench", "long_horizon")
@@ -35,9 +35,9 @@ def is_env_spec(spec: str) -> bool:
 
 def env_class(spec: str) -> Any:
     """The agent-env class `spec` names; an unknown name lists the known ones."""
-    from environments.adapter import adapter_class
-    from environments.base import BaseEnvironment
-    from environments.hermes_base_env import HermesAgentBaseEnv
+    from flywheel.environments.adapter import adapter_class
+    from flywheel.environments.base import BaseEnvironment
+    from flywheel.environments.hermes_base_env import HermesAgentBaseEnv
 
     if not is_env_spec(spec):
         raise ValueError(
@@ -110,13 +110,20 @@ def _load_module(location: str) -> Any:
     """A module by dotted name, or by file path (imported under a name derived from the path)."""
     if not location.endswith(".py"):
         try:
-            return importlib.import_module(location)
+            try:
+                return importlib.import_module(location)
+            except ModuleNotFoundError as err:  # The seeds' `environments.X` where no checkout is on sys.path.
+                if err.name != "environments" or not location.startswith("environments."):
+                    raise
+                return importlib.import_module(f"flywheel.{location}")
         except ImportError as err:
             raise ValueError(f"cannot import environment module '{location}': {err}") from err
     path = Path(location).resolve()
     if not path.is_file():
         raise ValueError(f"environment file not found: {location}")
     name = f"flywheel_user_env_{path.stem}_{abs(hash(str(path))):x}"
+    if str(path.parent) not in sys.path:  # Its own modules beside it import; last, so they shadow nothing.
+        sys.path.append(str(path.parent))
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, path)
         assert spec is not None and spec.loader is not None

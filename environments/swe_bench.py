@@ -21,14 +21,14 @@ from typing import Any
 
 from pydantic import Field
 
-from environments.agent.policies import call, final
-from environments.agent_loop import AgentResult
-from environments.hermes_base_env import HermesAgentEnvConfig
-from environments.task_env import TaskEnv
-from environments.tasks import swe_tasks as tasks
-from environments.tool_context import ToolContext
-from environments.verify.calls import checks_from, run_checks
-from environments.verify.hidden_tests import fresh_verify_dir, run_pytest, write_verifier_file
+from flywheel.environments.agent.policies import call, final
+from flywheel.environments.agent_loop import AgentResult
+from flywheel.environments.hermes_base_env import HermesAgentEnvConfig
+from flywheel.environments.task_env import TaskEnv
+from flywheel.environments.tasks import swe_tasks as tasks
+from flywheel.environments.tool_context import ToolContext
+from flywheel.environments.verify.calls import checks_from, run_checks
+from flywheel.environments.verify.hidden_tests import fresh_verify_dir, run_pytest, write_verifier_file
 
 
 class SWEBenchEnvConfig(HermesAgentEnvConfig):
@@ -59,7 +59,7 @@ class SWEBenchEnv(TaskEnv):
 
     async def verify(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> bool:
         """Every hidden check holds: generated tasks call the package's functions in a child process
-        (`environments.verify.calls`); a real instance's named tests must be reported passed in pytest's junit
+        (`flywheel.environments.verify.calls`); a real instance's named tests must be reported passed in pytest's junit
         report (never the exit code), beside a canary test that must fail."""
         answer = item["answer"]
         verify_dir = fresh_verify_dir(ctx)

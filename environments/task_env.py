@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from environments.agent.servers import default_tokenizer
-from environments.agent_loop import AgentResult
-from environments.hermes_base_env import HermesAgentBaseEnv, HermesAgentEnvConfig
-from environments.task_stream import MakeTask, TaskStream
-from environments.verify.rewards import binary_reward
+from flywheel.environments.agent.servers import default_tokenizer
+from flywheel.environments.agent_loop import AgentResult
+from flywheel.environments.hermes_base_env import HermesAgentBaseEnv, HermesAgentEnvConfig
+from flywheel.environments.task_stream import MakeTask, TaskStream
+from flywheel.environments.verify.rewards import binary_reward
 
 
 class TaskEnv(HermesAgentBaseEnv):

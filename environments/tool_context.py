@@ -11,8 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from environments.errors import AgentError
-from environments.sandbox.box import LocalSandbox, Sandbox
+from flywheel.environments.errors import AgentError
+from flywheel.environments.sandbox.box import LocalSandbox, Sandbox
 
 SandboxFactory = Callable[[str], Sandbox]
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from environments.agent_loop import AgentResult
-from environments.hermes_base_env import HermesAgentEnvConfig
-from environments.task_env import TaskEnv
-from environments.tasks import tool_use_chain_tasks as tasks
-from environments.tool_context import ToolContext
+from flywheel.environments.agent_loop import AgentResult
+from flywheel.environments.hermes_base_env import HermesAgentEnvConfig
+from flywheel.environments.task_env import TaskEnv
+from flywheel.environments.tasks import tool_use_chain_tasks as tasks
+from flywheel.environments.tool_context import ToolContext
 
 
 class ToolUseChainEnvConfig(HermesAgentEnvConfig):

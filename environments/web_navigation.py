@@ -16,14 +16,14 @@ from typing import Any
 
 from pydantic import Field
 
-from environments.agent.policies import ScriptedPolicy
-from environments.agent_loop import AgentResult
-from environments.hermes_base_env import HermesAgentEnvConfig
-from environments.task_env import TaskEnv
-from environments.tasks import web_tasks as tasks
-from environments.tool_context import ToolContext
-from environments.web.browser import WEB_TOOLS
-from environments.web.site import ShopSite
+from flywheel.environments.agent.policies import ScriptedPolicy
+from flywheel.environments.agent_loop import AgentResult
+from flywheel.environments.hermes_base_env import HermesAgentEnvConfig
+from flywheel.environments.task_env import TaskEnv
+from flywheel.environments.tasks import web_tasks as tasks
+from flywheel.environments.tool_context import ToolContext
+from flywheel.environments.web.browser import WEB_TOOLS
+from flywheel.environments.web.site import ShopSite
 
 
 class WebNavigationEnvConfig(HermesAgentEnvConfig):

@@ -21,11 +21,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from data import ArtifactStore, Manifest
-from environments.agent.records import content_digest
-from environments.agent.servers import server_configs
-from environments.registry import TASK_FAMILIES, categories_of, env_class, env_name
-from environments.sandbox.box import isolation_report
+from flywheel.data import ArtifactStore, Manifest
+from flywheel.environments.agent.records import content_digest
+from flywheel.environments.agent.servers import server_configs
+from flywheel.environments.registry import TASK_FAMILIES, categories_of, env_class, env_name
+from flywheel.environments.sandbox.box import isolation_report
 
 logger = logging.getLogger(__name__)
 

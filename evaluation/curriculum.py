@@ -37,8 +37,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from environments.registry import env_name, teacher_turns
-from environments.task_stream import DIFFICULTIES
+from flywheel.environments.registry import env_name, teacher_turns
+from flywheel.environments.task_stream import DIFFICULTIES
 
 SliceClass = Literal["unsolved", "learnable", "mastered", "locked"]
 SOURCES = {"unsolved": "teacher", "learnable": "policy", "mastered": "policy", "locked": None}

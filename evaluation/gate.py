@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from data import ArtifactNotFound, ArtifactStore, Manifest, RefConflict
+from flywheel.data import ArtifactNotFound, ArtifactStore, Manifest, RefConflict
 
 
 class GateConfig(BaseModel):

@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from data import ArtifactStore, Manifest
-from evaluation.suite import SUITE_TASKS, store_suite, write_suite
+from flywheel.data import ArtifactStore, Manifest
+from flywheel.evaluation.suite import SUITE_TASKS, store_suite, write_suite
 
 logger = logging.getLogger(__name__)
 _LOGLIKELIHOOD_TASKS = {"flywheel_tool_select"}

@@ -15,9 +15,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from data import ArtifactStore, Manifest
-from environments.registry import env_name
-from evaluation.weakness import stored_curriculum
+from flywheel.data import ArtifactStore, Manifest
+from flywheel.environments.registry import env_name
+from flywheel.evaluation.weakness import stored_curriculum
 
 FLAGGED, UNFLAGGED = "#cc3311", "#777777"
 CLASS_MARKS = {"unsolved": "U", "learnable": "L", "mastered": "M", "locked": "-"}

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from data import ArtifactNotFound, ArtifactStore, Manifest
+from flywheel.data import ArtifactNotFound, ArtifactStore, Manifest
 
 SUITE_VERSION = 2
 SUITE_TASKS = ("flywheel_tool_call", "flywheel_tool_select", "flywheel_reasoning")

@@ -16,9 +16,16 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from data import ArtifactStore, Manifest
-from environments.generate import GenerationPart
-from evaluation.curriculum import SOURCES, CurriculumConfig, build_curriculum, grpo_mix, plan_generation, wilson
+from flywheel.data import ArtifactStore, Manifest
+from flywheel.environments.generate import GenerationPart
+from flywheel.evaluation.curriculum import (
+    SOURCES,
+    CurriculumConfig,
+    build_curriculum,
+    grpo_mix,
+    plan_generation,
+    wilson,
+)
 
 
 class MiningConfig(BaseModel):

@@ -9,7 +9,7 @@ WARNING, so they are set to INFO here: model-server and trainer lines then reach
 import logging
 import os
 
-LIBRARY_LOGGERS = ("data", "environments", "evaluation", "inference", "training")
+LIBRARY_LOGGERS = tuple(f"flywheel.{name}" for name in ("data", "environments", "evaluation", "inference", "training"))
 
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", ",".join(LIBRARY_LOGGERS))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # Machines here reach no telemetry host.

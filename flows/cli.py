@@ -29,18 +29,18 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from data import ArtifactStore, LineageNode, Manifest, StoreError, lineage
-from flows.cli_errors import click_error_line, failure_line
-from flows.console import stderr_handler
-from flows.fast_malloc import reexec_with_fast_malloc
-from inference import ModelServer, ServerConfig, ServerError, build_command, chat
-from training import BUILTIN_MODELS, ModelError, prepare_model, resolve_model
-from training.config import ConfigError
-from training.models import default_cache_dir
-from training.registry import ALGORITHMS, load_run_config, run_training
+from flywheel.data import ArtifactStore, LineageNode, Manifest, StoreError, lineage
+from flywheel.flows.cli_errors import click_error_line, failure_line
+from flywheel.flows.console import stderr_handler
+from flywheel.flows.fast_malloc import reexec_with_fast_malloc
+from flywheel.inference import ModelServer, ServerConfig, ServerError, build_command, chat
+from flywheel.training import BUILTIN_MODELS, ModelError, prepare_model, resolve_model
+from flywheel.training.config import ConfigError
+from flywheel.training.models import default_cache_dir
+from flywheel.training.registry import ALGORITHMS, load_run_config, run_training
 
 if TYPE_CHECKING:
-    from flows.round_config import RoundConfig
+    from flywheel.flows.round_config import RoundConfig
 
 app = typer.Typer(help="A data flywheel for tool-using LLM agents.")
 model_app = typer.Typer(help="Prepare built-in models.")
@@ -314,8 +314,8 @@ add_train_commands(train_app)
 
 
 def _train(algorithm: str | None, config: Path, overrides: list[str] | None, gpus: int, dry_run: bool) -> None:
-    """Load the config its algorithm names (training.registry); run it here, or launched on `gpus` GPUs."""
-    from training.launch import launch_command
+    """Load the config its algorithm names (flywheel.training.registry); run it here, or launched on `gpus` GPUs."""
+    from flywheel.training.launch import launch_command
 
     cfg = load_run_config(config, overrides, default=algorithm or "grpo")
     if algorithm and cfg.algorithm != algorithm:
@@ -392,13 +392,13 @@ def _lm_eval(
     limit: int | None,
     batch_size: int,
 ) -> Manifest:
-    from evaluation.lm_eval_runner import LMEvalConfig, model_ref_of, run_lm_eval
-    from evaluation.suite import SUITE_TASKS
+    from flywheel.evaluation.lm_eval_runner import LMEvalConfig, model_ref_of, run_lm_eval
+    from flywheel.evaluation.suite import SUITE_TASKS
 
     store = state.store
     server_model = None
     if server:
-        from inference import wait_until_healthy
+        from flywheel.inference import wait_until_healthy
 
         server_model = wait_until_healthy(server.rstrip("/"), 30)
     try:
@@ -419,9 +419,9 @@ def _lm_eval(
 def _agentic_eval(
     model: str, model_dir: Path, server: str | None, eval_size: int, max_infra_failure_rate: float
 ) -> Manifest:
-    from evaluation.agentic import AgenticEvalConfig, run_agentic_eval
-    from evaluation.lm_eval_runner import model_ref_of
-    from inference import wait_until_healthy
+    from flywheel.evaluation.agentic import AgenticEvalConfig, run_agentic_eval
+    from flywheel.evaluation.lm_eval_runner import model_ref_of
+    from flywheel.inference import wait_until_healthy
 
     store = state.store
     with contextlib.ExitStack() as stack:
@@ -441,13 +441,13 @@ def report(
     name: Annotated[str | None, typer.Option(help="Report name.")] = None,
 ) -> None:
     """Build a round's HTML report (plots, summary, samples) and print where it is."""
-    from evaluation.report import build_report
+    from flywheel.evaluation.report import build_report
 
     store = state.store
     rounds = None
     if len(refs) == 1 and refs[0].isdigit():
-        from flows.flywheel import round_refs
-        from flows.work import round_history
+        from flywheel.flows.flywheel import round_refs
+        from flywheel.flows.work import round_history
 
         rounds = round_history(store, int(refs[0]))
         refs = round_refs(store, int(refs[0]))
@@ -474,7 +474,7 @@ def _round_config(
     profile: str | None, config: Path | None, overrides: list[str] | None, device: str | None
 ) -> RoundConfig:
     """The round config the options and `key=value` overrides describe (`--device X` is `device=X`)."""
-    from flows.round_config import load_round_config
+    from flywheel.flows.round_config import load_round_config
 
     return load_round_config(profile, config, [*(overrides or []), *([f"device={device}"] if device else [])])
 
@@ -485,7 +485,7 @@ def plan(
     device: DeviceOption = None,
 ) -> None:  # fmt: skip
     """Print, as JSON, what each stage of a round would run (device, dtype, server, trainer, GPUs, pool)."""
-    from flows.plan import round_plan
+    from flywheel.flows.plan import round_plan
 
     name = profile or (config.stem if config else "default")
     _print_json(round_plan(_round_config(profile, config, overrides, device), name))
@@ -509,8 +509,8 @@ def run_round(
 
     The round is `--profile` (default: `default`), then `--config FILE`, then `key=value` overrides
     (`sft.total_steps=8`); `--show-config` prints every field with its description."""
-    from flows.console import log_file_for, quiet_libraries, round_console
-    from flows.round_config import config_yaml
+    from flywheel.flows.console import log_file_for, quiet_libraries, round_console
+    from flywheel.flows.round_config import config_yaml
 
     if not state.verbose:
         quiet_libraries()
@@ -521,8 +521,8 @@ def run_round(
     if show_config:
         _write(config_yaml(cfg))
         return
-    from flows.flywheel import flywheel  # Prefect configures logging on import: routed after it.
-    from flows.results import results_table
+    from flywheel.flows.flywheel import flywheel  # Prefect configures logging on import: routed after it.
+    from flywheel.flows.results import results_table
 
     log_file = log_file_for(default_cache_dir())
     console.print(f"log: {log_file}", highlight=False, soft_wrap=True)
@@ -547,7 +547,7 @@ def infra_setup(
     import httpx
     from prefect.settings import PREFECT_API_URL
 
-    from flows.infra import setup
+    from flywheel.flows.infra import setup
 
     try:
         lines = setup(kubernetes, gpu_slots, alert_url)
@@ -612,10 +612,10 @@ def _fail(message: str, code: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point: run the app; a bad command line ends as one line and exit 2, any other failure exit 1.
-    The console command first re-executes itself under tcmalloc where it is installed (`flows.fast_malloc`)."""
+    The console command first re-executes itself under tcmalloc where it is installed (`flywheel.flows.fast_malloc`)."""
     if argv is None:  # -P: a folder of the user's (`data/`, `flows/`) never shadows our packages.
         os.environ["PYTHONSAFEPATH"] = "1"  # ... in any process the command starts either.
-        reexec_with_fast_malloc([sys.executable, "-P", "-m", "flows.cli", *sys.argv[1:]])
+        reexec_with_fast_malloc([sys.executable, "-P", "-m", "flywheel.flows.cli", *sys.argv[1:]])
     try:
         result = typer.main.get_command(app).main(args=argv, prog_name="flywheel", standalone_mode=False)
     except typer.TyperException as err:  # Typer's vendored click: usage errors (exit_code 2), file errors (1).
@@ -629,5 +629,5 @@ def main(argv: Sequence[str] | None = None) -> None:
     sys.exit(result if isinstance(result, int) else 0)
 
 
-if __name__ == "__main__":  # `accelerate launch -m flows.cli ...` (multi-GPU SFT) runs the module.
+if __name__ == "__main__":  # `accelerate launch -m flywheel.flows.cli ...` (multi-GPU SFT) runs the module.
     main()

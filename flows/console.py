@@ -23,10 +23,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.spinner import Spinner
 
-from data import ArtifactStore, Manifest
+from flywheel.data import ArtifactStore, Manifest
 
 PROGRESS = "flywheel.progress"
-OUR_PACKAGES = ("data", "environments", "evaluation", "flows", "inference", "training")
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 progress_log = logging.getLogger(PROGRESS)
 
@@ -106,7 +105,7 @@ class _ProgressHandler(logging.Handler):
 
 class _OurWarnings(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING and record.name.split(".")[0] in OUR_PACKAGES
+        return record.levelno >= logging.WARNING and record.name.startswith("flywheel.")
 
 
 def stderr_handler(stream: TextIO | None = None) -> logging.Handler:

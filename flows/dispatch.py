@@ -19,9 +19,9 @@ from prefect.context import TaskRunContext
 from prefect.deployments import run_deployment
 from prefect.filesystems import RemoteFileSystem
 
-from data import ArtifactStore
-from flows.stages import STAGES
-from flows.work import StageParams
+from flywheel.data import ArtifactStore
+from flywheel.flows.stages import STAGES
+from flywheel.flows.work import StageParams
 
 Dispatch = Literal["local", "deployments"]
 _PACKAGES = ("data", "environments", "evaluation", "flows", "inference", "training")

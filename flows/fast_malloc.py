@@ -47,8 +47,10 @@ def reexec_with_fast_malloc(command: Sequence[str]) -> None:
         os.execvpe(command[0], list(command), environ)  # A bare command name is looked up on PATH.
 
 
-if __name__ == "__main__":  # `python -m flows.fast_malloc COMMAND...`: run a command under tcmalloc (`make test`).
+if (
+    __name__ == "__main__"
+):  # `python -m flywheel.flows.fast_malloc COMMAND...`: run a command under tcmalloc (`make test`).
     if len(sys.argv) < 2:
-        sys.exit("usage: python -m flows.fast_malloc COMMAND [ARGS...]")
+        sys.exit("usage: python -m flywheel.flows.fast_malloc COMMAND [ARGS...]")
     reexec_with_fast_malloc(sys.argv[1:])
     os.execvp(sys.argv[1], sys.argv[1:])  # Nothing to preload: the command as it is.

@@ -19,19 +19,19 @@ from typing import Any, NamedTuple
 
 from prefect import flow, get_run_logger
 
-from data import ArtifactStore, StoreError, lineage
-from evaluation.curriculum import grpo_mix, plan_generation
-from evaluation.gate import recorded_evals, shares_items
-from evaluation.lm_eval_runner import model_ref_of
-from evaluation.weakness import stored_curriculum
-from flows import work
-from flows.console import stage_finished, stage_started
-from flows.dispatch import Dispatch, result_storage, run_stage
-from flows.round_config import RoundConfig, load_round_config
-from flows.stages import STAGES, evaluate, lm_eval
-from flows.work import round_name
-from training.config import ConfigError
-from training.models import base_model
+from flywheel.data import ArtifactStore, StoreError, lineage
+from flywheel.evaluation.curriculum import grpo_mix, plan_generation
+from flywheel.evaluation.gate import recorded_evals, shares_items
+from flywheel.evaluation.lm_eval_runner import model_ref_of
+from flywheel.evaluation.weakness import stored_curriculum
+from flywheel.flows import work
+from flywheel.flows.console import stage_finished, stage_started
+from flywheel.flows.dispatch import Dispatch, result_storage, run_stage
+from flywheel.flows.round_config import RoundConfig, load_round_config
+from flywheel.flows.stages import STAGES, evaluate, lm_eval
+from flywheel.flows.work import round_name
+from flywheel.training.config import ConfigError
+from flywheel.training.models import base_model
 
 logger = logging.getLogger(__name__)
 

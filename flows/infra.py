@@ -23,7 +23,7 @@ from prefect.exceptions import ObjectNotFound
 from prefect.settings import get_current_settings
 from prefect.workers.process import ProcessWorker
 
-from training.config import ConfigError
+from flywheel.training.config import ConfigError
 
 H100_TEMPLATE = Path(__file__).resolve().parent.parent / "deploy" / "h100-job-template.json"
 GPU_LIMIT = "gpu"

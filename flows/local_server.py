@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from inference.server import free_port
+from flywheel.inference.server import free_port
 
 
 def prefect_env(home: Path, api_url: str) -> dict[str, str]:

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from flows import work
-from flows.round_config import RoundConfig
-from flows.stages import STAGES
-from inference import build_command
-from training.device import DeviceSettings, resolve_device
-from training.grpo import grpo_kwargs
-from training.launch import launch_command
-from training.sft import sft_kwargs
+from flywheel.flows import work
+from flywheel.flows.round_config import RoundConfig
+from flywheel.flows.stages import STAGES
+from flywheel.inference import build_command
+from flywheel.training.device import DeviceSettings, resolve_device
+from flywheel.training.grpo import grpo_kwargs
+from flywheel.training.launch import launch_command
+from flywheel.training.sft import sft_kwargs
 
 RUN_DIR = "logs/run-<stamp>-<name>/checkpoints"
 

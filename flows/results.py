@@ -11,10 +11,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from data import ArtifactStore
-from evaluation.report import agentic_counts
-from flows.flywheel import completed_rounds
-from flows.work import round_name
+from flywheel.data import ArtifactStore
+from flywheel.evaluation.report import agentic_counts
+from flywheel.flows.flywheel import completed_rounds
+from flywheel.flows.work import round_name
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 

@@ -22,15 +22,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from environments.registry import TASK_FAMILIES, categories_of, env_class, task_categories
-from evaluation.agentic import AgenticEvalConfig
-from evaluation.curriculum import CurriculumConfig
-from evaluation.gate import GateConfig
-from evaluation.lm_eval_runner import LMEvalConfig
-from training.config import ConfigError, error_message, read_config, validate_config
-from training.device import DeviceChoice
-from training.grpo import GRPORunConfig
-from training.sft import SFTRunConfig
+from flywheel.environments.registry import TASK_FAMILIES, categories_of, env_class, task_categories
+from flywheel.evaluation.agentic import AgenticEvalConfig
+from flywheel.evaluation.curriculum import CurriculumConfig
+from flywheel.evaluation.gate import GateConfig
+from flywheel.evaluation.lm_eval_runner import LMEvalConfig
+from flywheel.training.config import ConfigError, error_message, read_config, validate_config
+from flywheel.training.device import DeviceChoice
+from flywheel.training.grpo import GRPORunConfig
+from flywheel.training.sft import SFTRunConfig
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
 _FORBID = ConfigDict(extra="forbid")

@@ -22,14 +22,14 @@ from prefect.artifacts import create_table_artifact
 from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
 
-from data import Manifest
-from evaluation.weakness import stored_curriculum
-from flows import work
-from flows.heartbeats import end_heartbeats_without_waiting
-from flows.infra import GPU_LIMIT, limit_exists
-from flows.round_config import RoundConfig
-from flows.ui import EvalProgress, ProgressArtifact, artifact_link, markdown, metrics_table, stage_run_name
-from flows.work import (
+from flywheel.data import Manifest
+from flywheel.evaluation.weakness import stored_curriculum
+from flywheel.flows import work
+from flywheel.flows.heartbeats import end_heartbeats_without_waiting
+from flywheel.flows.infra import GPU_LIMIT, limit_exists
+from flywheel.flows.round_config import RoundConfig
+from flywheel.flows.ui import EvalProgress, ProgressArtifact, artifact_link, markdown, metrics_table, stage_run_name
+from flywheel.flows.work import (
     CurateParams,
     EvaluateParams,
     GateParams,

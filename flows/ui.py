@@ -20,7 +20,7 @@ from prefect.artifacts import (
 from prefect.runtime import flow_run
 from transformers import TrainerCallback
 
-from data import ArtifactStore, Manifest
+from flywheel.data import ArtifactStore, Manifest
 
 
 def stage_run_name(stage: str) -> Any:

@@ -14,25 +14,25 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from data import ArtifactStore, Manifest
-from data.costs import counting_process, track_costs
-from data.curation import curate_to_store
-from environments.generate import GenerationPart, generate_rollouts
-from evaluation.agentic import Progress, run_agentic_eval
-from evaluation.curriculum import largest_remainder
-from evaluation.gate import gate as run_gate
-from evaluation.lm_eval_runner import LMEvalConfig, model_ref_of, run_lm_eval
-from evaluation.report import build_report
-from evaluation.weakness import CurriculumSpec, mine_to_store
-from flows.round_config import RoundConfig
-from inference import ModelServer, ServerConfig
-from training.config import TrainConfig
-from training.device import DeviceSettings
-from training.grpo import GRPORunConfig
-from training.launch import launch
-from training.models import resolve_model
-from training.registry import run_training
-from training.sft import NoExampleFits, SFTRunConfig
+from flywheel.data import ArtifactStore, Manifest
+from flywheel.data.costs import counting_process, track_costs
+from flywheel.data.curation import curate_to_store
+from flywheel.environments.generate import GenerationPart, generate_rollouts
+from flywheel.evaluation.agentic import Progress, run_agentic_eval
+from flywheel.evaluation.curriculum import largest_remainder
+from flywheel.evaluation.gate import gate as run_gate
+from flywheel.evaluation.lm_eval_runner import LMEvalConfig, model_ref_of, run_lm_eval
+from flywheel.evaluation.report import build_report
+from flywheel.evaluation.weakness import CurriculumSpec, mine_to_store
+from flywheel.flows.round_config import RoundConfig
+from flywheel.inference import ModelServer, ServerConfig
+from flywheel.training.config import TrainConfig
+from flywheel.training.device import DeviceSettings
+from flywheel.training.grpo import GRPORunConfig
+from flywheel.training.launch import launch
+from flywheel.training.models import resolve_model
+from flywheel.training.registry import run_training
+from flywheel.training.sft import NoExampleFits, SFTRunConfig
 
 logger = logging.getLogger(__name__)
 SEED_OFFSETS = {"teacher": 0, "policy": 500_000}  # Training streams; held-out items use eval_seed 1,000,000.

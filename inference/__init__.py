@@ -1,7 +1,7 @@
 """Serving models behind an OpenAI-compatible API: `transformers serve` on CPU, `vllm serve` on GPU."""
 
-from inference.client import chat
-from inference.server import (
+from flywheel.inference.client import chat
+from flywheel.inference.server import (
     ModelServer,
     ServerConfig,
     ServerError,

@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 
-from inference.server import ServerError
+from flywheel.inference.server import ServerError
 
 
 def chat(

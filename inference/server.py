@@ -146,7 +146,7 @@ def build_command(config: ServerConfig, port: int) -> list[str]:
         if config.enable_prefix_caching:
             command.append("--enable-prefix-caching")
     else:
-        launcher = ["python", "-m", "inference.transformers_serve"] if config.varlen_sdpa else ["transformers"]
+        launcher = ["python", "-m", "flywheel.inference.transformers_serve"] if config.varlen_sdpa else ["transformers"]
         command = [
             *launcher,
             "serve",

@@ -1,4 +1,5 @@
-"""`transformers serve` with per-sequence SDPA (`inference/varlen_sdpa.py`): `python -m inference.transformers_serve`.
+"""`transformers serve` with per-sequence SDPA (`inference/varlen_sdpa.py`):
+`python -m flywheel.inference.transformers_serve`.
 
 The server's generation engine runs in a spawned process, which imports this module again (as
 `__mp_main__`), so the attention is switched at import time: in the server and in its engine.
@@ -10,7 +11,7 @@ import sys
 
 from transformers.cli.transformers import main
 
-from inference.varlen_sdpa import use_varlen_sdpa
+from flywheel.inference.varlen_sdpa import use_varlen_sdpa
 
 use_varlen_sdpa()
 

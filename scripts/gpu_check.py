@@ -101,9 +101,9 @@ def main() -> None:
 def run_checks(summary: Summary, out: Path) -> None:
     import torch
 
-    from data import ArtifactStore
-    from inference import ModelServer, ServerConfig
-    from training.models import resolve_model
+    from flywheel.data import ArtifactStore
+    from flywheel.inference import ModelServer, ServerConfig
+    from flywheel.training.models import resolve_model
 
     store = ArtifactStore(out / "store")
     cuda = torch.cuda.is_available()
@@ -133,7 +133,7 @@ def run_checks(summary: Summary, out: Path) -> None:
 def sft_mfu(store: Any, model_dir: str, out: Path) -> dict[str, Any]:
     """20 bf16 SFT steps on oracle conversations; MFU = 6 * params * tokens / seconds / peak."""
     from benchmarks.sft_throughput import oracle_rows
-    from training.sft import SFTRunConfig, run_sft
+    from flywheel.training.sft import SFTRunConfig, run_sft
 
     data = out / "sft.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in oracle_rows(model_dir, 64)))
@@ -150,8 +150,8 @@ def sft_mfu(store: Any, model_dir: str, out: Path) -> dict[str, Any]:
 
 
 def grpo_steps(store: Any, model_dir: str, out: Path) -> dict[str, Any]:
-    from training.grpo import GRPORunConfig
-    from training.registry import run_training
+    from flywheel.training.grpo import GRPORunConfig
+    from flywheel.training.registry import run_training
 
     cfg = GRPORunConfig(
         policy_model=model_dir, device="cuda", use_vllm=True, vllm_mode="colocate", total_steps=5,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from data import ArtifactStore
-from flows.results import results_table, write_into
+from flywheel.data import ArtifactStore
+from flywheel.flows.results import results_table, write_into
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from data import ArtifactStore
+from flywheel.data import ArtifactStore
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -124,7 +124,7 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(model_store: ArtifactStore, model_cache: Path) -> Path:
     """The tiny random Llama (SmolLM2 tokenizer), as a local HF directory."""
-    from training.models import resolve_model
+    from flywheel.training.models import resolve_model
 
     return resolve_model("tiny", model_store, model_cache)
 
@@ -132,7 +132,7 @@ def tiny_model(model_store: ArtifactStore, model_cache: Path) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_model(model_store: ArtifactStore, model_cache: Path) -> Path:
     """SmolLM2-135M-Instruct converted from the shipped GGUF once per session, as a local HF directory."""
-    from training.models import resolve_model
+    from flywheel.training.models import resolve_model
 
     return resolve_model("smollm2", model_store, model_cache)
 

@@ -1,8 +1,10 @@
-"""Imports go one way between our packages, and only flows/ imports Prefect (docs/architecture.md)."""
+"""Imports go one way between our packages, always as `flywheel.<package>`, and only flows/ imports
+Prefect (docs/architecture.md)."""
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -19,13 +21,19 @@ ALLOWED = {
 }
 
 
+def _package(module: str) -> str:
+    """The package a module name imports: ours as `flywheel.<package>` -> `<package>`, others' top level."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "flywheel" and len(parts) > 1 else parts[0]
+
+
 def _imports(path: Path) -> set[str]:
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            names.add(node.module)
     return names
 
 
@@ -33,13 +41,24 @@ def _imports(path: Path) -> set[str]:
 def test_imports_run_one_way(package: str) -> None:
     wrong = {}
     for path in (ROOT / package).rglob("*.py"):
-        names = _imports(path)
+        names = {_package(name) for name in _imports(path)}
         bad = sorted((names & OURS) - ALLOWED[package])
         if package != "flows" and "prefect" in names:
             bad.append("prefect")
         if bad:
             wrong[str(path.relative_to(ROOT))] = bad
     assert wrong == {}
+
+
+def test_our_packages_are_imported_by_their_namespace() -> None:
+    """`import data` would find a user's `data/` before ours (or ours before theirs): never by the bare name."""
+    folders = [*OURS, "tests", "benchmarks", "scripts"]
+    bare = {
+        str(path.relative_to(ROOT)): sorted(name for name in _imports(path) if name.split(".")[0] in OURS)
+        for folder in folders
+        for path in (ROOT / folder).rglob("*.py")
+    }
+    assert {path: names for path, names in bare.items() if names} == {}
 
 
 def _module_level_imports(path: Path, lazy: bool = False) -> set[str]:
@@ -61,12 +80,12 @@ def _module_level_imports(path: Path, lazy: bool = False) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {name for name in names if name.split(".")[0] in OURS}
+    return {name for name in names if name.startswith("flywheel.")}
 
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return ".".join(("flywheel", *(parts[:-1] if parts[-1] == "__init__" else parts)))
 
 
 def test_environments_import_no_circle() -> None:
@@ -92,7 +111,14 @@ def test_environments_import_no_circle() -> None:
 
 def test_the_sandbox_imports_nothing_of_the_agent_loop() -> None:
     """The security boundary is importable and testable alone: errors, the verifiers' ToolContext, itself."""
-    allowed = {"environments.errors", "environments.tool_context"}
+    allowed = {"flywheel.environments.errors", "flywheel.environments.tool_context"}
     for path in (ROOT / "environments" / "sandbox").rglob("*.py"):
         for name in _module_level_imports(path):
-            assert name.startswith(("environments.sandbox", *allowed)), (path.name, name)
+            assert name.startswith(("flywheel.environments.sandbox", *allowed)), (path.name, name)
+
+
+def test_every_package_folder_is_installed_under_the_namespace() -> None:
+    """pyproject.toml lists the packages by hand (a folder maps to `flywheel.<folder>`): none left out."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {_module_name(path) for package in OURS for path in (ROOT / package).rglob("__init__.py")}
+    assert listed == found | {"flywheel"}

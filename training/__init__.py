@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from training.models import BUILTIN_MODELS, ModelError, prepare_model, resolve_model
+from flywheel.training.models import BUILTIN_MODELS, ModelError, prepare_model, resolve_model
 
 __all__ = ["BUILTIN_MODELS", "AtroposRunner", "ModelError", "prepare_model", "resolve_model"]
 
@@ -10,7 +10,7 @@ __all__ = ["BUILTIN_MODELS", "AtroposRunner", "ModelError", "prepare_model", "re
 def __getattr__(name: str) -> Any:
     """`AtroposRunner` on first use: it pulls in atroposlib (seconds), which the CLI's other commands never need."""
     if name == "AtroposRunner":
-        from training.runner import AtroposRunner
+        from flywheel.training.runner import AtroposRunner
 
         return AtroposRunner
     raise AttributeError(f"module 'training' has no attribute '{name}'")

@@ -20,10 +20,10 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from data import ArtifactStore, Manifest
-from training.config import TrainConfig
-from training.models import TRAINING_TEMPLATE_FILE
-from training.run_logs import NonFiniteError, RunDir
+from flywheel.data import ArtifactStore, Manifest
+from flywheel.training.config import TrainConfig
+from flywheel.training.models import TRAINING_TEMPLATE_FILE
+from flywheel.training.run_logs import NonFiniteError, RunDir
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from environments.registry import ENVIRONMENTS, is_env_spec
-from training.device import DeviceChoice, DeviceSettings
+from flywheel.environments.registry import ENVIRONMENTS, is_env_spec
+from flywheel.training.device import DeviceChoice, DeviceSettings
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +35,14 @@ class TrainConfig(BaseModel):
     """What every training run shares (SFT, GRPO, DPO): the model, the optimiser, the device, the logs.
 
     Unknown fields are an error. `device` decides precision, attention, memory savers and
-    backends (`training.device`); `auto` is CUDA when a GPU is visible.
+    backends (`flywheel.training.device`); `auto` is CUDA when a GPU is visible.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     # -- models
     policy_model: str = Field(default="tiny", description="Model to train: smollm2 | tiny | store ref | dir | HF id.")
-    algorithm: str = Field(default="sft", description="Training algorithm (training.registry).")
+    algorithm: str = Field(default="sft", description="Training algorithm (flywheel.training.registry).")
     # -- optimisation
     batch_size: int = Field(default=4, ge=1, description="Examples (or completions) per device per micro-batch.")
     gradient_accumulation_steps: int = Field(default=1, ge=1, description="Micro-batches per optimizer step.")

@@ -5,7 +5,7 @@
 
 With `dataset`, the pairs come from that artifact. Without one, the run samples them online:
 `num_rollouts_per_task` rollouts of each of `num_tasks` tasks through each env's own agent loop
-(as GRPO rolls out), then pairs best vs worst where their rewards differ (`data.curation`).
+(as GRPO rolls out), then pairs best vs worst where their rewards differ (`flywheel.data.curation`).
 Pairs are rendered to text with the model's chat template here (prompt with the generation
 prompt; chosen / rejected as the continuations), which keeps tool-call arguments as dicts.
 """
@@ -20,12 +20,12 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from data import ArtifactStore, Manifest
-from data.curation import preference_pair
-from training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
-from training.config import RunnerConfig
-from training.models import resolve_model
-from training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
+from flywheel.data import ArtifactStore, Manifest
+from flywheel.data.curation import preference_pair
+from flywheel.training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
+from flywheel.training.config import RunnerConfig
+from flywheel.training.models import resolve_model
+from flywheel.training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ def sample_pairs(
     cfg: DPORunConfig, model: Any, tokenizer: Any, model_dir: Any, envs: list[Any] | None = None
 ) -> list[dict[str, Any]]:
     """Online pairs: a group of env-loop rollouts per task by the policy, best vs worst where they differ."""
-    from training.grpo import policy_envs, task_dataset
-    from training.rollouts import PolicyServer
+    from flywheel.training.grpo import policy_envs, task_dataset
+    from flywheel.training.rollouts import PolicyServer
 
     agents = policy_envs(cfg, envs, model_dir, tokenizer)
     _, tasks = task_dataset(agents, cfg.num_tasks)

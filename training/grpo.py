@@ -1,6 +1,6 @@
 """GRPO with TRL on the flywheel environments, rolled out by each env's own agent loop.
 
-`training.rollouts` runs every rollout through the env's `run_agent` (the loop, tools, sandbox,
+`flywheel.training.rollouts` runs every rollout through the env's `run_agent` (the loop, tools, sandbox,
 parser and verifier that `process` mode and evaluation use), so the policy is trained on exactly
 the loop it is judged by; any env runs, a user's step env included, and several envs can share
 a run (their tasks interleave). KL to the initial policy (`beta`), per-group reward scaling,
@@ -25,16 +25,16 @@ from typing import Any, Literal
 from pydantic import Field
 from transformers import TrainerCallback
 
-from data import ArtifactStore, Manifest
-from environments.hermes_base_env import HermesAgentBaseEnv
-from environments.registry import categories_of, env_class
-from environments.task_stream import weighted_round_robin
-from training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
-from training.config import RunnerConfig
-from training.models import resolve_model
-from training.rollouts import Outcome, PolicyServer, Task, agent_rollout_func, prompt_key, run_rollouts
-from training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
-from training.screening import screen_tasks
+from flywheel.data import ArtifactStore, Manifest
+from flywheel.environments.hermes_base_env import HermesAgentBaseEnv
+from flywheel.environments.registry import categories_of, env_class
+from flywheel.environments.task_stream import weighted_round_robin
+from flywheel.training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
+from flywheel.training.config import RunnerConfig
+from flywheel.training.models import resolve_model
+from flywheel.training.rollouts import Outcome, PolicyServer, Task, agent_rollout_func, prompt_key, run_rollouts
+from flywheel.training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
+from flywheel.training.screening import screen_tasks
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ def screen_into(
 def _screen(
     trainer: Any, cfg: GRPORunConfig, envs: list[HermesAgentBaseEnv], screened: dict[str, list[Outcome]]
 ) -> tuple[list[Task], dict[str, Any]]:
-    """Run the screening (see `training.screening`); the kept groups become step 1's rollouts."""
+    """Run the screening (see `flywheel.training.screening`); the kept groups become step 1's rollouts."""
     if trainer.accelerator.num_processes > 1:
         raise ValueError("screen_tasks runs in single-process GRPO only; set screen_tasks=0 for multi-GPU runs")
     group = cfg.num_rollouts_per_task

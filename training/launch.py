@@ -15,9 +15,9 @@ from pathlib import Path
 
 import yaml
 
-from data import ArtifactStore, Manifest
-from data.store import STORE_ENV
-from training.config import DEEPSPEED_DIR, TrainConfig
+from flywheel.data import ArtifactStore, Manifest
+from flywheel.data.store import STORE_ENV
+from flywheel.training.config import DEEPSPEED_DIR, TrainConfig
 
 # The `flywheel train` subcommand of each algorithm.
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def launch_command(
     else:
         command.append("--multi_gpu")
     store = ["--store", store_url] if store_url else []
-    return [*command, "-m", "flows.cli", *store, "train", cfg.algorithm, "--config", config_file, *overrides]
+    return [*command, "-m", "flywheel.flows.cli", *store, "train", cfg.algorithm, "--config", config_file, *overrides]
 
 
 def launch(cfg: TrainConfig, store: ArtifactStore, num_gpus: int) -> Manifest:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from data import ArtifactNotFound, ArtifactStore, Manifest
+from flywheel.data import ArtifactNotFound, ArtifactStore, Manifest
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from data import ArtifactStore, Manifest
-from training.config import ConfigError, TrainConfig, read_config, validate_config
+from flywheel.data import ArtifactStore, Manifest
+from flywheel.training.config import ConfigError, TrainConfig, read_config, validate_config
 
 
 @dataclass(frozen=True)
@@ -36,16 +36,18 @@ class Algorithm:
 
 ALGORITHMS: dict[str, Algorithm] = {
     "sft": Algorithm(
-        "training.sft:SFTRunConfig", "training.sft:run_sft", "Supervised fine-tuning on a curated dataset artifact."
+        "flywheel.training.sft:SFTRunConfig",
+        "flywheel.training.sft:run_sft",
+        "Supervised fine-tuning on a curated dataset artifact.",
     ),
     "grpo": Algorithm(
-        "training.grpo:GRPORunConfig",
-        "training.grpo:run_grpo",
+        "flywheel.training.grpo:GRPORunConfig",
+        "flywheel.training.grpo:run_grpo",
         "Online RL (GRPO) on the environments, KL to a reference.",
     ),
     "dpo": Algorithm(
-        "training.dpo:DPORunConfig",
-        "training.dpo:run_dpo",
+        "flywheel.training.dpo:DPORunConfig",
+        "flywheel.training.dpo:run_dpo",
         "Preference optimisation (DPO) on curated pairs, or on pairs sampled online from the envs.",
     ),
 }

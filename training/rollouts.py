@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from data.costs import return_free_heap
-from environments.agent.messages import messages_with_dict_arguments
-from environments.hermes_base_env import HermesAgentBaseEnv
+from flywheel.data.costs import return_free_heap
+from flywheel.environments.agent.messages import messages_with_dict_arguments
+from flywheel.environments.hermes_base_env import HermesAgentBaseEnv
 
 
 @dataclass
@@ -161,7 +161,7 @@ class PolicyServer:
         import torch
         from transformers import ContinuousBatchingConfig
 
-        from inference.varlen_sdpa import use_varlen_sdpa
+        from flywheel.inference.varlen_sdpa import use_varlen_sdpa
 
         model = self.model()
         if self._was_training is None:

@@ -1,7 +1,7 @@
 """`AtroposRunner`: the documented training program (README, AtroposRunner), on this project's trainers.
 
-    from environments.tool_use_chain import ToolUseChainEnv
-    from training import AtroposRunner
+    from flywheel.environments.tool_use_chain import ToolUseChainEnv
+    from flywheel.training import AtroposRunner
 
     env = ToolUseChainEnv(num_tasks=100, difficulty="medium", max_steps=20)
     runner = AtroposRunner(env=env, policy_model="smollm2", algorithm="grpo", batch_size=8,
@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from data import ArtifactStore, Manifest
-from environments.adapter import StepEnvAdapter
-from environments.base import BaseEnvironment
-from environments.hermes_base_env import HermesAgentBaseEnv
-from training.config import ConfigError
-from training.registry import algorithm as algorithm_entry
-from training.registry import run_training
+from flywheel.data import ArtifactStore, Manifest
+from flywheel.environments.adapter import StepEnvAdapter
+from flywheel.environments.base import BaseEnvironment
+from flywheel.environments.hermes_base_env import HermesAgentBaseEnv
+from flywheel.training.config import ConfigError
+from flywheel.training.registry import algorithm as algorithm_entry
+from flywheel.training.registry import run_training
 
 
 class AtroposRunner:
@@ -91,7 +91,7 @@ def _env_spec(env: Any) -> str:
     cls = env if isinstance(env, type) else type(env)
     if not (isinstance(cls, type) and issubclass(cls, BaseEnvironment)):
         raise ConfigError(f"AtroposRunner: env must be an environment, its class or its name, not {env!r:.80}")
-    from environments.registry import ENVIRONMENTS
+    from flywheel.environments.registry import ENVIRONMENTS
 
     target = getattr(cls, "environment_cls", cls)  # An adapted step env: name the user's class.
     for name, location in ENVIRONMENTS.items():

@@ -7,7 +7,7 @@ rewards differ: the slices the policy *sometimes* solves. A slice (env / categor
 whose first `drop_after` groups all scored one same reward (mastered, or hopeless) is not
 drawn again, so it costs little; a slice that has shown any variance stays in. The kept groups
 were rolled with the weights step 1 starts from, so they are step 1's rollouts
-(`training.rollouts.agent_rollout_func(screened=...)`): only flat groups are extra.
+(`flywheel.training.rollouts.agent_rollout_func(screened=...)`): only flat groups are extra.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from training.rollouts import Outcome, Task
+from flywheel.training.rollouts import Outcome, Task
 
 logger = logging.getLogger(__name__)
 

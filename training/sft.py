@@ -5,7 +5,7 @@
 Conversations are tokenised here with the model's training chat template (`{% generation %}`
 markers) into `input_ids` + `assistant_masks`, because tool-call arguments must stay dicts:
 an Arrow column would unify every row's argument keys and render `null`s into the prompts.
-The device decides the rest (`training.device`): on CPU fp32, `use_cpu` and explicit threads; on
+The device decides the rest (`flywheel.training.device`): on CPU fp32, `use_cpu` and explicit threads; on
 CUDA bf16, gradient checkpointing, packing and flash attention when installed; DeepSpeed ZeRO
 (`deepspeed=`) or FSDP across the GPUs `flywheel train sft --gpus N` launches.
 """
@@ -20,11 +20,11 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from data import ArtifactStore, Manifest
-from training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
-from training.config import TrainConfig
-from training.models import TRAINING_TEMPLATE_FILE, resolve_model
-from training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
+from flywheel.data import ArtifactStore, Manifest
+from flywheel.training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
+from flywheel.training.config import TrainConfig
+from flywheel.training.models import TRAINING_TEMPLATE_FILE, resolve_model
+from flywheel.training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
 
 logger = logging.getLogger(__name__)
 

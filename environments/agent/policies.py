@@ -10,7 +10,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from environments.tool_call_parsers import get_parser
+from flywheel.environments.tool_call_parsers import get_parser
 
 Action = dict[str, Any]
 

@@ -6,7 +6,7 @@ import hashlib
 import json
 from typing import Any
 
-from environments.agent_loop import AgentResult, sanitize
+from flywheel.environments.agent_loop import AgentResult, sanitize
 
 Item = dict[str, Any]
 

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from environments.errors import AgentError, ToolCallError
-from environments.tool_context import ToolContext
+from flywheel.environments.errors import AgentError, ToolCallError
+from flywheel.environments.tool_context import ToolContext
 
 _JSON_TYPES: dict[Any, str] = {
     str: "string",

@@ -10,12 +10,12 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from environments.agent.policies import call, final
-from environments.agent_loop import AgentResult
-from environments.hermes_base_env import HermesAgentEnvConfig
-from environments.task_env import TaskEnv
-from environments.tool_context import ToolContext
-from environments.verify.rewards import final_answer
+from flywheel.environments.agent.policies import call, final
+from flywheel.environments.agent_loop import AgentResult
+from flywheel.environments.hermes_base_env import HermesAgentEnvConfig
+from flywheel.environments.task_env import TaskEnv
+from flywheel.environments.tool_context import ToolContext
+from flywheel.environments.verify.rewards import final_answer
 
 
 def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, Any]:

@@ -32,8 +32,8 @@ from typing import Protocol
 
 from pydantic import BaseModel, Field
 
-from environments.errors import InfraError, SandboxViolation
-from environments.sandbox import files, jail
+from flywheel.environments.errors import InfraError, SandboxViolation
+from flywheel.environments.sandbox import files, jail
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import os
 import stat
 from collections.abc import Iterator
 
-from environments.errors import SandboxViolation
+from flywheel.environments.errors import SandboxViolation
 
 _SYS_OPENAT2 = 437  # The same number on x86_64 and aarch64.
 _RESOLVE_NO_XDEV = 0x01

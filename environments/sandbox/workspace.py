@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from environments.tool_context import ToolContext
+from flywheel.environments.tool_context import ToolContext
 
 Item = dict[str, Any]
 

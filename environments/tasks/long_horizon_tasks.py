@@ -11,7 +11,7 @@ import random
 import tomllib
 from typing import Any
 
-from environments.agent.policies import call, final
+from flywheel.environments.agent.policies import call, final
 
 CATEGORIES = ("library", "cli_tool", "data_utils")
 MILESTONES = {"pyproject": 0.15, "readme": 0.10, "function": 0.30, "tests": 0.20, "committed": 0.25}

@@ -2,7 +2,7 @@
 
 The agent sees the package, a visible test file and an issue text. After the episode the verifier
 calls every function of the package on hidden inputs in a child process and compares the results
-outside it (`environments.verify.calls`), so files the agent planted (conftest.py, pytest.ini, a shadowing
+outside it (`flywheel.environments.verify.calls`), so files the agent planted (conftest.py, pytest.ini, a shadowing
 pytest.py, deleted or edited visible tests, a package that patches pytest) change nothing. The
 hidden checks cover every function, so gutting code fails too.
 The oracle fixes the bug with a targeted `patch` of the changed line, the same edit at every
@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from environments.agent.policies import call, final
+from flywheel.environments.agent.policies import call, final
 
 CATEGORIES = ("off_by_one", "wrong_operator", "wrong_condition")
 

@@ -16,8 +16,8 @@ import json
 import random
 from typing import Any
 
-from environments.agent.policies import call, final
-from environments.agent.tools import json_type_error
+from flywheel.environments.agent.policies import call, final
+from flywheel.environments.agent.tools import json_type_error
 
 CATEGORIES = ("todo_report", "line_count", "csv_summary")
 _SIZE = {"easy": 3, "medium": 6, "hard": 10}

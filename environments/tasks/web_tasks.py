@@ -17,8 +17,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from environments.agent.policies import call, final
-from environments.web.site import SIZES, catalog
+from flywheel.environments.agent.policies import call, final
+from flywheel.environments.web.site import SIZES, catalog
 
 CATEGORIES = ("under_price", "cheapest", "lookup_price")
 

@@ -20,8 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from environments.tool_context import ToolContext
-from environments.verify.hidden_tests import write_verifier_file
+from flywheel.environments.tool_context import ToolContext
+from flywheel.environments.verify.hidden_tests import write_verifier_file
 
 # The child saves its stdout, points fds 1 and 2 at /dev/null before importing the agent's code (what
 # that code prints can neither fill the sandbox's output cap nor mix with the results), and writes

@@ -7,7 +7,7 @@ with an unguessable name (the agent cannot have planted files in it or made it u
 report is written by a command that runs after the agent's processes are dead (each sandbox
 command lives in its own PID namespace) and is read back through the sandbox's file access.
 Inside the test process the agent's code can still patch pytest itself, so where a task's checks
-are calls of the agent's functions, `environments.verify.calls` judges them instead; pytest is left for the
+are calls of the agent's functions, `flywheel.environments.verify.calls` judges them instead; pytest is left for the
 agent's own tests (which must also fail on a mutant) and real SWE-bench instances (which run
 beside a canary test that must fail).
 """
@@ -21,8 +21,8 @@ import shlex
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
-from environments.errors import SandboxViolation
-from environments.tool_context import ToolContext
+from flywheel.environments.errors import SandboxViolation
+from flywheel.environments.tool_context import ToolContext
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ import logging
 import math
 from typing import Any
 
-from environments.agent_loop import AgentResult
-from environments.tool_context import ToolContext
-from environments.verify.rewards import judge_verdict, keyword_overlap
+from flywheel.environments.agent_loop import AgentResult
+from flywheel.environments.tool_context import ToolContext
+from flywheel.environments.verify.rewards import judge_verdict, keyword_overlap
 
 logger = logging.getLogger(__name__)
 Item = dict[str, Any]

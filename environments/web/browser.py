@@ -16,10 +16,10 @@ from typing import Any
 
 import httpx
 
-from environments.agent.tools import Tool, tool
-from environments.errors import ToolCallError
-from environments.tool_context import ToolContext
-from environments.web.site import Department, is_live_origin
+from flywheel.environments.agent.tools import Tool, tool
+from flywheel.environments.errors import ToolCallError
+from flywheel.environments.tool_context import ToolContext
+from flywheel.environments.web.site import Department, is_live_origin
 
 
 class _PageParser(HTMLParser):

@@ -6,7 +6,7 @@ import json
 import re
 from typing import Any
 
-from environments.tool_call_parsers import get_parser
+from flywheel.environments.tool_call_parsers import get_parser
 
 
 def process_tool_call(doc: dict[str, Any], results: list[str]) -> dict[str, float]:

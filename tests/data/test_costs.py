@@ -8,8 +8,8 @@ import signal
 import weakref
 from pathlib import Path
 
-from data import ArtifactStore
-from data.costs import counting_process, track_costs
+from flywheel.data import ArtifactStore
+from flywheel.data.costs import counting_process, track_costs
 
 
 def test_an_artifact_records_the_peak_memory_of_its_stage(tmp_path) -> None:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from data import ArtifactStore, StoreError
-from data.curation import CurationConfig, curate, curate_to_store
+from flywheel.data import ArtifactStore, StoreError
+from flywheel.data.curation import CurationConfig, curate, curate_to_store
 
 LONG = " ".join(f"word{i}" for i in range(60))
 EVAL_PROMPT = "Find 3 products in the toys department priced under $35 at shop zq81x and list ids p-4f2a1c p-77e0b2"

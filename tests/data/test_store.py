@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from data import ArtifactNotFound, ArtifactStore, CorruptBlobError, RefConflict, StoreError, lineage
+from flywheel.data import ArtifactNotFound, ArtifactStore, CorruptBlobError, RefConflict, StoreError, lineage
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ def test_compare_and_swap_refuses_stale_expectation(store: ArtifactStore) -> Non
 _MOVER = textwrap.dedent(
     """
     import sys
-    from data import ArtifactStore
+    from flywheel.data import ArtifactStore
     store = ArtifactStore(sys.argv[1])
     for i in range(int(sys.argv[3])):
         store.set_ref("champion", sys.argv[2])
@@ -117,8 +117,8 @@ def test_concurrent_ref_updates_from_two_processes_lose_nothing(store: ArtifactS
 _CRASHER = textwrap.dedent(
     """
     import os, sys
-    from data import ArtifactStore
-    from data.transfer import Transfer as Cls
+    from flywheel.data import ArtifactStore
+    from flywheel.data.transfer import Transfer as Cls
     original = Cls.write_object
     def crash_on_manifest(self, key, data):
         if "/manifests/" in key:

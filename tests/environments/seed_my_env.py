@@ -6,7 +6,7 @@ The agent must add two numbers with the `add` tool and answer with the sum.
 import json
 import random
 
-from environments.base import Action, BaseEnvironment, State, StepResult
+from flywheel.environments.base import Action, BaseEnvironment, State, StepResult
 
 ADD = {
     "type": "function",

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from environments.agent.policies import ScriptedPolicy, call, final
-from environments.agent.tools import TOOLSETS, Tool, tool
-from environments.agent_loop import HermesAgentLoop
-from environments.errors import InfraError
-from environments.tool_call_parsers import get_parser
-from environments.tool_context import ToolContext, live_task_ids, release
-from environments.tool_use_chain import ToolUseChainEnv
+from flywheel.environments.agent.policies import ScriptedPolicy, call, final
+from flywheel.environments.agent.tools import TOOLSETS, Tool, tool
+from flywheel.environments.agent_loop import HermesAgentLoop
+from flywheel.environments.errors import InfraError
+from flywheel.environments.tool_call_parsers import get_parser
+from flywheel.environments.tool_context import ToolContext, live_task_ids, release
+from flywheel.environments.tool_use_chain import ToolUseChainEnv
 
 FILE_TOOLS = TOOLSETS["file"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from inference import ModelServer, ServerConfig, free_port
+from flywheel.inference import ModelServer, ServerConfig, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV_FILES = ["tool_use_chain", "web_navigation", "swe_bench", "long_horizon"]

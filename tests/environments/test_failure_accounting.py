@@ -16,11 +16,11 @@ from typing import Any
 import openai
 import pytest
 
-from environments.agent.policies import ScriptedPolicy
-from environments.agent.tools import TOOLSETS
-from environments.agent_loop import HermesAgentLoop
-from environments.tool_context import live_task_ids, release
-from environments.tool_use_chain import ToolUseChainEnv
+from flywheel.environments.agent.policies import ScriptedPolicy
+from flywheel.environments.agent.tools import TOOLSETS
+from flywheel.environments.agent_loop import HermesAgentLoop
+from flywheel.environments.tool_context import live_task_ids, release
+from flywheel.environments.tool_use_chain import ToolUseChainEnv
 from tests.environments.conftest import completion
 
 UNTERMINATED = '<tool_call>{"name": "write_file", "arguments": {"path": "a.txt", "content": "oops}'

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from environments.agent.policies import ScriptedPolicy, call, do_nothing, final
-from environments.swe_bench import SWEBenchEnv, hidden_test_files, load_instances
-from environments.verify import rewards
+from flywheel.environments.agent.policies import ScriptedPolicy, call, do_nothing, final
+from flywheel.environments.swe_bench import SWEBenchEnv, hidden_test_files, load_instances
+from flywheel.environments.verify import rewards
 
 
 def test_docstring_examples_hold() -> None:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from environments.errors import SandboxViolation
-from environments.sandbox.box import LocalSandbox, SandboxLimits, isolation_available
-from environments.sandbox.jail import kill_uid as _kill_uid
+from flywheel.environments.errors import SandboxViolation
+from flywheel.environments.sandbox.box import LocalSandbox, SandboxLimits, isolation_available
+from flywheel.environments.sandbox.jail import kill_uid as _kill_uid
 
 isolated = pytest.mark.skipif(not isolation_available(), reason="needs root and Linux namespaces")
 
@@ -210,7 +210,7 @@ def test_locked_down_workspace_is_still_cleaned_up(box: LocalSandbox) -> None:
 
 
 def test_commands_after_cleanup_are_refused(box: LocalSandbox) -> None:
-    from environments.errors import InfraError
+    from flywheel.environments.errors import InfraError
 
     box.cleanup()
     with pytest.raises(InfraError, match="cleaned up"):
@@ -231,7 +231,7 @@ def test_kill_uid_helper_ignores_unknown_uids() -> None:
 _DIE_WITH_A_MOUNTED_WORKSPACE = """
 import os, signal, sys
 from pathlib import Path
-from environments.sandbox.box import LocalSandbox
+from flywheel.environments.sandbox.box import LocalSandbox
 box = LocalSandbox("killed", root=Path(sys.argv[1]))
 box.write_file("big.bin", "x" * 1000)
 print(box.workspace, flush=True)
@@ -244,7 +244,7 @@ def test_workspaces_a_killed_process_left_mounted_are_swept_and_live_ones_kept(t
     import subprocess
     import sys
 
-    from environments.sandbox import jail
+    from flywheel.environments.sandbox import jail
 
     root = tmp_path / "boxes"
     killed = subprocess.run([sys.executable, "-c", _DIE_WITH_A_MOUNTED_WORKSPACE, str(root)], capture_output=True,

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from environments.agent.servers import server_configs
-from environments.agent_loop import AgentResult
-from environments.custom.file_stats_env import FileStatsEnv
-from environments.registry import ENVIRONMENTS, env_class
-from environments.tool_call_parsers import get_parser
-from environments.tool_context import ToolContext, live_task_ids
+from flywheel.environments.agent.servers import server_configs
+from flywheel.environments.agent_loop import AgentResult
+from flywheel.environments.custom.file_stats_env import FileStatsEnv
+from flywheel.environments.registry import ENVIRONMENTS, env_class
+from flywheel.environments.tool_call_parsers import get_parser
+from flywheel.environments.tool_context import ToolContext, live_task_ids
 from tests.environments.conftest import chat_reply
 
 
@@ -28,8 +28,8 @@ async def seed_evaluate(self, *args, **kwargs) -> None:
     import time
     import uuid
 
-    from environments.agent_loop import HermesAgentLoop
-    from environments.tool_context import ToolContext
+    from flywheel.environments.agent_loop import HermesAgentLoop
+    from flywheel.environments.tool_context import ToolContext
 
     start_time = time.time()
     tools, valid_names = self._resolve_tools_for_group()

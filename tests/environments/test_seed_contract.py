@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from environments.adapter import StepEnvAdapter
-from environments.agent.servers import server_configs
-from environments.base import Action, BaseEnvironment
-from environments.registry import env_class
-from environments.tool_context import live_task_ids
-from environments.tool_use_chain import ToolUseChainEnv
-from environments.verify.scoring import RewardError
+from flywheel.environments.adapter import StepEnvAdapter
+from flywheel.environments.agent.servers import server_configs
+from flywheel.environments.base import Action, BaseEnvironment
+from flywheel.environments.registry import env_class
+from flywheel.environments.tool_context import live_task_ids
+from flywheel.environments.tool_use_chain import ToolUseChainEnv
+from flywheel.environments.verify.scoring import RewardError
 from tests.environments import seed_my_env
 from tests.environments.conftest import chat_reply
 
@@ -108,7 +108,7 @@ def test_a_reward_outside_the_declared_range_is_counted_and_a_nan_is_an_error(
 ) -> None:
     tasks = tmp_path / "tasks.jsonl"
     seed_my_env.write_tasks(str(tasks), n=10)
-    from environments.adapter import adapter_class
+    from flywheel.environments.adapter import adapter_class
 
     env = adapter_class(_Overpaid)(tokenizer_name=str(tiny_model), env_kwargs={"task_file": str(tasks)},
                                    server_configs=server_configs(fake_openai(_adder), "fake"))  # fmt: skip
@@ -131,9 +131,33 @@ def test_a_seed_env_file_gets_the_three_cli_modes(tmp_path: Path) -> None:
     """`cli(MyEnv)` at the end of a user's file: `python my_env.py process|evaluate|serve` as for built-in envs."""
     script = tmp_path / "my_env.py"
     script.write_text(SEED_ENV_FILE.read_text() + "\n\nif __name__ == '__main__':\n"
-                      "    from environments.adapter import cli\n\n    cli(MyEnv)\n")  # fmt: skip
+                      "    from flywheel.environments.adapter import cli\n\n    cli(MyEnv)\n")  # fmt: skip
     done = subprocess.run(
         [sys.executable, str(script), "process", "--help"], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--env.group_size" in done.stdout and "--openai.base_url" in done.stdout
+
+
+SEED_IMPORTS = """
+from environments.base import BaseEnvironment
+from environments.agent_loop import HermesAgentLoop
+from environments.tool_context import ToolContext
+from environments.tool_use_chain import ToolUseChainEnv
+import flywheel.environments.base as base, flywheel.environments.tool_use_chain as chain
+assert BaseEnvironment is base.BaseEnvironment and ToolUseChainEnv is chain.ToolUseChainEnv
+print("OK")
+"""
+
+
+def test_the_seeds_import_spelling_names_our_modules_in_a_checkout(tmp_path: Path) -> None:
+    """Seed 004's `from environments.agent_loop import ...`, run in the checkout, loads each module once;
+    elsewhere `environments` is the user's own package, never ours."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", SEED_IMPORTS], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "OK", done.stderr[-2000:]
+    (tmp_path / "environments").mkdir()
+    (tmp_path / "environments" / "__init__.py").write_text("MINE = True\n")
+    code = "import flywheel.environments.registry, environments; print(environments.MINE)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "True", done.stderr[-2000:]

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from atroposlib.envs.base import APIServerConfig
 
-from environments.agent.servers import PLACEHOLDER_API_KEY, server_configs
-from environments.custom.file_stats_env import FileStatsEnv, FileStatsEnvConfig
+from flywheel.environments.agent.servers import PLACEHOLDER_API_KEY, server_configs
+from flywheel.environments.custom.file_stats_env import FileStatsEnv, FileStatsEnvConfig
 from tests.environments.conftest import chat_reply
 
 

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from environments.agent.policies import ScriptedPolicy
-from environments.agent.tools import TOOLSETS
-from environments.agent_loop import HermesAgentLoop
-from environments.tool_call_parsers import PARSERS, get_parser
-from environments.tool_context import live_task_ids
+from flywheel.environments.agent.policies import ScriptedPolicy
+from flywheel.environments.agent.tools import TOOLSETS
+from flywheel.environments.agent_loop import HermesAgentLoop
+from flywheel.environments.tool_call_parsers import PARSERS, get_parser
+from flywheel.environments.tool_context import live_task_ids
 
 
 @pytest.mark.parametrize("name", sorted(PARSERS))
@@ -116,7 +116,7 @@ def test_garbage_never_raises_out_of_a_rollout(texts: list[str], name: str) -> N
     try:
         result = asyncio.run(loop.run([{"role": "user", "content": "go"}]))
     finally:
-        from environments.tool_context import release
+        from flywheel.environments.tool_context import release
 
         release("fuzz")
     assert result.infra_error is None and 1 <= result.turns_used <= 4

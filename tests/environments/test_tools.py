@@ -9,9 +9,9 @@ from typing import Literal
 
 import pytest
 
-from environments.agent.tools import TOOLSETS, resolve_toolsets, tool
-from environments.errors import ToolCallError
-from environments.tool_context import ToolContext
+from flywheel.environments.agent.tools import TOOLSETS, resolve_toolsets, tool
+from flywheel.environments.errors import ToolCallError
+from flywheel.environments.tool_context import ToolContext
 
 
 @tool

@@ -13,15 +13,15 @@ from typing import Any
 
 import pytest
 
-from environments.agent.policies import ScriptedPolicy, call, do_nothing, final
-from environments.custom.file_stats_env import FileStatsEnv
-from environments.hermes_base_env import HermesAgentBaseEnv
-from environments.long_horizon import LongHorizonEnv
-from environments.swe_bench import SWEBenchEnv
-from environments.tasks.tool_use_chain_tasks import JSON_ANSWERS
-from environments.tool_context import live_task_ids
-from environments.tool_use_chain import ToolUseChainEnv
-from environments.web_navigation import WebNavigationEnv
+from flywheel.environments.agent.policies import ScriptedPolicy, call, do_nothing, final
+from flywheel.environments.custom.file_stats_env import FileStatsEnv
+from flywheel.environments.hermes_base_env import HermesAgentBaseEnv
+from flywheel.environments.long_horizon import LongHorizonEnv
+from flywheel.environments.swe_bench import SWEBenchEnv
+from flywheel.environments.tasks.tool_use_chain_tasks import JSON_ANSWERS
+from flywheel.environments.tool_context import live_task_ids
+from flywheel.environments.tool_use_chain import ToolUseChainEnv
+from flywheel.environments.web_navigation import WebNavigationEnv
 
 Actions = Callable[[dict[str, Any]], list[dict[str, Any]]]
 ENVS = [ToolUseChainEnv, WebNavigationEnv, SWEBenchEnv, LongHorizonEnv, FileStatsEnv]

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from environments.long_horizon import mutant_source
-from environments.sandbox.box import LocalSandbox
-from environments.tasks import long_horizon_tasks, swe_tasks
-from environments.tool_context import ToolContext
-from environments.verify.calls import Check, checks_from, plain_equal, run_checks
-from environments.verify.hidden_tests import fresh_verify_dir
+from flywheel.environments.long_horizon import mutant_source
+from flywheel.environments.sandbox.box import LocalSandbox
+from flywheel.environments.tasks import long_horizon_tasks, swe_tasks
+from flywheel.environments.tool_context import ToolContext
+from flywheel.environments.verify.calls import Check, checks_from, plain_equal, run_checks
+from flywheel.environments.verify.hidden_tests import fresh_verify_dir
 
 
 def test_checks_parse_from_the_forms_tasks_write() -> None:
@@ -148,7 +148,7 @@ TESTS_THAT_PIN_NOTHING = {
 @pytest.mark.parametrize("tests", ["honest", *TESTS_THAT_PIN_NOTHING])
 @pytest.mark.parametrize("committed", ["right", "wrong"])
 def test_long_horizon_tests_earn_credit_only_when_they_pin_the_function(tests: str, committed: str) -> None:
-    from environments.long_horizon import _tests_pin_the_function
+    from flywheel.environments.long_horizon import _tests_pin_the_function
 
     ctx = ToolContext(f"pin-{tests}-{committed}")
     answer = {"name": "lib", "function": "add", "reference": "def add(a, b):\n    return a + b\n"}

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from data import ArtifactStore
-from environments.generate import GenerationPart, generate_rollouts
-from environments.task_stream import TaskStream
-from environments.tasks import tool_use_chain_tasks
-from evaluation import curriculum as curriculum_module
-from evaluation.curriculum import CurriculumConfig, build_curriculum, grpo_mix, plan_generation
-from evaluation.weakness import CurriculumSpec, mine_to_store
+from flywheel.data import ArtifactStore
+from flywheel.environments.generate import GenerationPart, generate_rollouts
+from flywheel.environments.task_stream import TaskStream
+from flywheel.environments.tasks import tool_use_chain_tasks
+from flywheel.evaluation import curriculum as curriculum_module
+from flywheel.evaluation.curriculum import CurriculumConfig, build_curriculum, grpo_mix, plan_generation
+from flywheel.evaluation.weakness import CurriculumSpec, mine_to_store
 
 CATEGORIES = tool_use_chain_tasks.CATEGORIES  # todo_report, line_count, csv_summary
 FAMILIES = {"tool_use_chain": CATEGORIES}
@@ -133,7 +133,7 @@ def test_replay_adds_at_most_the_budget_again() -> None:
 
 def test_the_ablations_uniform_arm_gets_the_mined_plans_budget(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from benchmarks.curriculum_ablation import arm_config
-    from flows.round_config import load_round_config
+    from flywheel.flows.round_config import load_round_config
 
     p = load_round_config("tiny", overrides=["generate.groups=12", "sft.total_steps=4"])
     store = ArtifactStore(tmp_path)
@@ -152,7 +152,7 @@ def test_the_ablation_reuses_only_an_arm_that_finished_from_the_same_round_1_and
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from benchmarks import curriculum_ablation as ablation
-    from flows.round_config import load_round_config, overridden
+    from flywheel.flows.round_config import load_round_config, overridden
 
     source, workdir = tmp_path / "round-1", tmp_path / "work"
     ArtifactStore(source).put("weaknesses", "weaknesses-r1", {"curriculum.json": "{}"})
@@ -396,7 +396,7 @@ def test_a_teacher_group_floor_teaches_as_many_unsolved_slices_as_the_budget_giv
 
 def test_an_env_named_by_file_or_class_gets_its_samples_as_evidence() -> None:
     """A round names a user's env by its file (or `module:Class`); its samples carry the class's `name`."""
-    spec = "environments.tool_use_chain:ToolUseChainEnv"
+    spec = "flywheel.environments.tool_use_chain:ToolUseChainEnv"
     script = {("todo_report", "easy"): (12, 12), ("line_count", "easy"): (0, 12)}
     curriculum = build_curriculum(outcomes(script), {spec: CATEGORIES})
     rows = {row["slice"]: row for row in curriculum[spec]["slices"]}

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from data import ArtifactStore
-from environments.agent.policies import ScriptedPolicy
-from environments.tool_use_chain import ToolUseChainEnv
-from evaluation.agentic import AgenticEvalConfig, InfraFailureRateError, run_agentic_eval
-from evaluation.gate import paired_outcomes
+from flywheel.data import ArtifactStore
+from flywheel.environments.agent.policies import ScriptedPolicy
+from flywheel.environments.tool_use_chain import ToolUseChainEnv
+from flywheel.evaluation.agentic import AgenticEvalConfig, InfraFailureRateError, run_agentic_eval
+from flywheel.evaluation.gate import paired_outcomes
 
 
 class _Down:

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from data import ArtifactStore, lineage
-from environments.hermes_base_env import HermesAgentBaseEnv
-from evaluation.agentic import AgenticEvalConfig, run_agentic_eval
-from evaluation.lm_eval_runner import LMEvalConfig, model_args, run_lm_eval
-from evaluation.suite import suite_items
-from evaluation.tasks.utils import process_tool_call
-from inference import ModelServer, ServerConfig
+from flywheel.data import ArtifactStore, lineage
+from flywheel.environments.hermes_base_env import HermesAgentBaseEnv
+from flywheel.evaluation.agentic import AgenticEvalConfig, run_agentic_eval
+from flywheel.evaluation.lm_eval_runner import LMEvalConfig, model_args, run_lm_eval
+from flywheel.evaluation.suite import suite_items
+from flywheel.evaluation.tasks.utils import process_tool_call
+from flywheel.inference import ModelServer, ServerConfig
 from tests.flows.test_cli import run
 
 

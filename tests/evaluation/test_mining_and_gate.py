@@ -8,11 +8,11 @@ import io
 import json
 import random
 
-from data import ArtifactStore
-from evaluation import gate as gate_module
-from evaluation import weakness
-from evaluation.gate import GateConfig, decide, gate
-from evaluation.weakness import CurriculumSpec, MiningConfig, flatten, mine, mine_to_store
+from flywheel.data import ArtifactStore
+from flywheel.evaluation import gate as gate_module
+from flywheel.evaluation import weakness
+from flywheel.evaluation.gate import GateConfig, decide, gate
+from flywheel.evaluation.weakness import CurriculumSpec, MiningConfig, flatten, mine, mine_to_store
 
 
 def _samples(rates: dict[tuple[str, str, str], float], n: int = 20, seed: int = 0) -> list[dict]:
@@ -170,7 +170,7 @@ def test_a_champion_moved_while_the_gate_ran_leaves_no_claimed_promotion(store: 
 def test_report_renders_html_and_non_empty_plots(store: ArtifactStore) -> None:
     from PIL import Image
 
-    from evaluation.report import build_report
+    from flywheel.evaluation.report import build_report
 
     evals = store.put(
         "eval",
@@ -194,7 +194,7 @@ def test_report_renders_html_and_non_empty_plots(store: ArtifactStore) -> None:
 
 
 def test_gate_judges_the_champion_again_when_the_held_out_items_changed(store: ArtifactStore) -> None:
-    from evaluation.gate import recorded_evals, shares_items
+    from flywheel.evaluation.gate import recorded_evals, shares_items
 
     old, new = store.put("checkpoint", "old", {"w": b"1"}), store.put("checkpoint", "new", {"w": b"2"})
     slice_ = ("tool_use_chain", "todo_report", "easy")
@@ -216,7 +216,7 @@ def test_gate_judges_the_champion_again_when_the_held_out_items_changed(store: A
 
 def test_an_item_whose_task_changed_is_not_the_same_item(store: ArtifactStore) -> None:
     """Same ids, new task content (a task family changed between rounds): the champion is judged again."""
-    from evaluation.gate import shares_items
+    from flywheel.evaluation.gate import shares_items
 
     def with_prompt(rows: list[dict], task: str) -> list[dict]:
         return [{**r, "task_digest": task} for r in rows]  # What eval samples record (environments/agent/records.py).

@@ -9,8 +9,8 @@ import matplotlib.colors as mcolors
 import matplotlib.pyplot as plt
 import pytest
 
-from data import ArtifactStore
-from evaluation.report import FLAGGED, UNFLAGGED, build_report, heatmap_figure, success_figure, weakest_figure
+from flywheel.data import ArtifactStore
+from flywheel.evaluation.report import FLAGGED, UNFLAGGED, build_report, heatmap_figure, success_figure, weakest_figure
 
 
 def test_success_per_env_has_round_ticks_and_distinguishable_lines() -> None:

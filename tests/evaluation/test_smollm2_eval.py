@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from data import ArtifactStore
-from evaluation.lm_eval_runner import LMEvalConfig, run_lm_eval
+from flywheel.data import ArtifactStore
+from flywheel.evaluation.lm_eval_runner import LMEvalConfig, run_lm_eval
 
 
 @pytest.mark.slow

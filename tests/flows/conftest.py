@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from flows.local_server import local_server
+from flywheel.flows.local_server import local_server
 
 
 @pytest.fixture(scope="session")

@@ -6,10 +6,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from flows import dispatch
-from flows.dispatch import code_digest, stage_cache_key
-from flows.round_config import load_round_config, profile
-from flows.work import MineParams, SFTParams
+from flywheel.flows import dispatch
+from flywheel.flows.dispatch import code_digest, stage_cache_key
+from flywheel.flows.round_config import load_round_config, profile
+from flywheel.flows.work import MineParams, SFTParams
 
 
 def key(stage: str, params: object) -> str:

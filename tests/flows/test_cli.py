@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import typer
 
-from data import ArtifactStore
-from flows import cli
+from flywheel.data import ArtifactStore
+from flywheel.flows import cli
 
 FLYWHEEL = str(Path(sys.executable).parent / "flywheel")
 SFT_CONFIG = str(Path(__file__).resolve().parents[2] / "training" / "configs" / "sft_h100_zero3.yaml")
@@ -182,7 +182,7 @@ def test_model_prepare_prints_json(model_store: ArtifactStore, tiny_model: Path)
 def test_eval_prints_its_results_as_json(
     local_store: ArtifactStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import evaluation.lm_eval_runner as runner
+    import flywheel.evaluation.lm_eval_runner as runner
 
     results = {"arith": {"acc,none": 0.5, "acc_stderr,none": 0.1}}
 
@@ -220,7 +220,7 @@ def test_multi_gpu_dry_run_carries_every_override_and_the_store(tmp_path: Path) 
     assert result.returncode == 0, result.stderr
     command = result.stdout.split()
     assert command[:4] == ["accelerate", "launch", "--num_processes", "2"]
-    assert command[command.index("-m") + 1 :] == ["flows.cli", "--store", store, "train", "sft", "--config",
+    assert command[command.index("-m") + 1 :] == ["flywheel.flows.cli", "--store", store, "train", "sft", "--config",
                                                   SFT_CONFIG, "total_steps=5", "learning_rate=1e-4"]  # fmt: skip
 
 

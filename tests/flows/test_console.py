@@ -9,7 +9,7 @@ import sys
 
 from rich.console import Console
 
-from flows.console import _ProgressHandler
+from flywheel.flows.console import _ProgressHandler
 
 
 def _record(message: str, start: bool = False) -> logging.LogRecord:

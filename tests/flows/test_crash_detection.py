@@ -18,7 +18,7 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from flows.infra import CRASH_NAME, crash_detection
+from flywheel.flows.infra import CRASH_NAME, crash_detection
 from tests.flows.conftest import flow_runs, heartbeats, wait_for
 
 HEARTBEAT = 30  # Prefect's shortest heartbeat period.
@@ -26,7 +26,7 @@ WITHIN = timedelta(seconds=45)  # More than one period: a live run always beats 
 PROBE = """
 import sys, time
 from prefect import flow, tags
-from flows.heartbeats import end_heartbeats_without_waiting
+from flywheel.flows.heartbeats import end_heartbeats_without_waiting
 
 end_heartbeats_without_waiting()  # As every flywheel flow run: a finished run must stay Completed.
 

@@ -15,9 +15,9 @@ from typing import ClassVar
 
 import pytest
 
-from data import ArtifactStore, lineage
-from flows.local_server import prefect_bin, workers
-from flows.stages import STAGES
+from flywheel.data import ArtifactStore, lineage
+from flywheel.flows.local_server import prefect_bin, workers
+from flywheel.flows.stages import STAGES
 from tests.conftest import TEST_BUCKET
 from tests.flows.conftest import flow_runs
 from tests.flows.test_cli import FLYWHEEL

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from flows.fast_malloc import OPT_OUT, fast_malloc_env
+from flywheel.flows.fast_malloc import OPT_OUT, fast_malloc_env
 
 INSTALLED = fast_malloc_env({}) is not None
 needs_tcmalloc = pytest.mark.skipif(not INSTALLED, reason="tcmalloc is not installed (apt: libtcmalloc-minimal4)")
@@ -16,7 +16,7 @@ SHOW_MAPS = "print(open('/proc/self/maps').read())"
 
 
 def _maps(env: dict[str, str]) -> str:
-    command = [sys.executable, "-m", "flows.fast_malloc", sys.executable, "-c", SHOW_MAPS]
+    command = [sys.executable, "-m", "flywheel.flows.fast_malloc", sys.executable, "-c", SHOW_MAPS]
     return subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
 
 
@@ -45,5 +45,5 @@ def test_a_command_runs_under_tcmalloc_unless_opted_out() -> None:
 
 
 def test_the_launcher_needs_a_command() -> None:
-    run = subprocess.run([sys.executable, "-m", "flows.fast_malloc"], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-m", "flywheel.flows.fast_malloc"], capture_output=True, text=True)
     assert run.returncode != 0 and "usage" in run.stderr

@@ -9,7 +9,7 @@ import pytest
 from prefect import flow
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-from flows.heartbeats import end_heartbeats_without_waiting
+from flywheel.flows.heartbeats import end_heartbeats_without_waiting
 from tests.flows.conftest import heartbeats, wait_for
 
 

@@ -13,8 +13,8 @@ import yaml
 from prefect.client.schemas.objects import FlowRun
 from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
 
-from flows.infra import h100_job_template
-from flows.stages import STAGES
+from flywheel.flows.infra import h100_job_template
+from flywheel.flows.stages import STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOYMENT_FILES = [ROOT / "prefect.yaml", ROOT / "deploy" / "prefect-cluster.yaml"]

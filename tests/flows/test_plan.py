@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from flows import work
-from flows.plan import round_plan
-from flows.round_config import load_round_config, profile
-from flows.stages import STAGES
-from training.config import ConfigError
-from training.device import cpu_computes_bf16
+from flywheel.flows import work
+from flywheel.flows.plan import round_plan
+from flywheel.flows.round_config import load_round_config, profile
+from flywheel.flows.stages import STAGES
+from flywheel.training.config import ConfigError
+from flywheel.training.device import cpu_computes_bf16
 
 
 def _strings(value: Any) -> list[str]:
@@ -58,7 +58,7 @@ def test_the_cpu_plan_has_no_cuda_setting() -> None:
         assert args["bf16"] == cpu_computes_bf16(), name  # Autocast where the CPU has bf16 dot products.
         assert not any("vllm" in key for key in args), name
         assert args["gradient_checkpointing"], name  # The config's choice over the CPU default (off).
-    assert plan["stages"]["evaluate"]["server"]["command"][2:4] == ["inference.transformers_serve", "serve"]
+    assert plan["stages"]["evaluate"]["server"]["command"][2:4] == ["flywheel.inference.transformers_serve", "serve"]
     quick = plan_of("quick", "cpu")["stages"]["sft"]["trainer_args"]
     assert quick["gradient_checkpointing"] is False  # No choice in the profile: the device's default.
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from data import ArtifactStore
-from flows.results import END, START, results_table, write_into
+from flywheel.data import ArtifactStore
+from flywheel.flows.results import END, START, results_table, write_into
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "results_table.py"
 

@@ -10,9 +10,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from data import ArtifactStore, lineage
-from flows import work
-from flows.round_config import profile
+from flywheel.data import ArtifactStore, lineage
+from flywheel.flows import work
+from flywheel.flows.round_config import profile
 from tests.flows.conftest import flow_runs, task_runs
 from tests.flows.test_cli import FLYWHEEL
 

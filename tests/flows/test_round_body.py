@@ -9,13 +9,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from data import ArtifactStore
-from environments.task_stream import DIFFICULTIES
-from environments.tasks.tool_use_chain_tasks import CATEGORIES
-from flows.flywheel import run_round
-from flows.round_config import load_round_config, overridden
-from flows.stages import STAGES
-from flows.work import round_name
+from flywheel.data import ArtifactStore
+from flywheel.environments.task_stream import DIFFICULTIES
+from flywheel.environments.tasks.tool_use_chain_tasks import CATEGORIES
+from flywheel.flows.flywheel import run_round
+from flywheel.flows.round_config import load_round_config, overridden
+from flywheel.flows.stages import STAGES
+from flywheel.flows.work import round_name
 
 # envs: tool_use_chain; 10 turns keep todo_report/medium (9 oracle turns) in reach once it unlocks.
 CONFIG = load_round_config("tiny", overrides=["generate.groups=40", "max_agent_turns=10"])
@@ -103,15 +103,15 @@ def test_each_round_follows_the_curriculum_mined_before_it(tmp_path: Path) -> No
 def test_a_round_plans_once_unless_its_config_changed(tmp_path: Path, monkeypatch) -> None:
     """Mining stores the next round's plan; the round reads it rather than planning again, and plans
     anew only when its config plans differently (here a smaller generation budget)."""
-    import flows.flywheel
+    import flywheel.flows.flywheel
 
     store = ArtifactStore(tmp_path)
     store.put("model", "tiny", {"config.json": "{}"})
     stage, calls = scripted_round_stages(store)
     planned: list[int] = []
-    plan_generation = flows.flywheel.plan_generation
+    plan_generation = flywheel.flows.flywheel.plan_generation
     monkeypatch.setattr(
-        flows.flywheel, "plan_generation", lambda *a, **k: planned.append(1) or plan_generation(*a, **k)
+        flywheel.flows.flywheel, "plan_generation", lambda *a, **k: planned.append(1) or plan_generation(*a, **k)
     )
     run_round(store, 1, CONFIG, stage)
     assert planned == []  # Round 0's mining planned round 1 with this very config.

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from environments.custom import file_stats_env
-from flows import work
-from flows.round_config import (
+from flywheel.environments.custom import file_stats_env
+from flywheel.flows import work
+from flywheel.flows.round_config import (
     PROFILES_DIR,
     RoundConfig,
     config_yaml,
@@ -20,7 +20,7 @@ from flows.round_config import (
     profile,
     profile_names,
 )
-from training.config import ConfigError
+from flywheel.training.config import ConfigError
 
 # Section -> the run config it becomes.
 SECTION_TARGETS = {

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from data import ArtifactStore
+from flywheel.data import ArtifactStore
 from tests.flows.test_cli import run
 
 

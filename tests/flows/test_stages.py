@@ -7,13 +7,13 @@ from pathlib import Path
 
 from pydantic import Field
 
-from data import ArtifactStore, Manifest
-from flows.dispatch import run_stage, stage_cache_key
-from flows.flywheel import plain_stage
-from flows.plan import round_plan
-from flows.round_config import profile
-from flows.stages import STAGES, Stage, stage_flow
-from flows.work import StageParams, round_name
+from flywheel.data import ArtifactStore, Manifest
+from flywheel.flows.dispatch import run_stage, stage_cache_key
+from flywheel.flows.flywheel import plain_stage
+from flywheel.flows.plan import round_plan
+from flywheel.flows.round_config import profile
+from flywheel.flows.stages import STAGES, Stage, stage_flow
+from flywheel.flows.work import StageParams, round_name
 
 
 def test_a_stage_its_flow_and_its_work_share_one_name() -> None:

@@ -18,9 +18,9 @@ from tests.flows.conftest import flow_runs
 FLOW = textwrap.dedent(
     """
     import sys, time
-    import flows  # Flywheel flows live in this package; importing it routes library logs to the run log.
+    import flywheel.flows  # Flywheel flows live in this package; importing it routes library logs to the run log.
     from prefect import flow
-    from inference import ModelServer, ServerConfig
+    from flywheel.inference import ModelServer, ServerConfig
 
     @flow(name="serve-then-wait", timeout_seconds=float(sys.argv[3]))
     def serve_then_wait(model: str, pid_file: str) -> None:
@@ -36,7 +36,10 @@ FLOW = textwrap.dedent(
 def start_flow(tiny_model: Path, tmp_path: Path, env: dict, timeout_s: float) -> tuple[subprocess.Popen, Path]:
     pid_file = tmp_path / "server.pid"
     command = [sys.executable, "-c", FLOW, str(tiny_model), str(pid_file), str(timeout_s)]
-    env = {**env, "PREFECT_LOGGING_EXTRA_LOGGERS": "inference"}  # Prefect is imported first: as in prefect.yaml.
+    env = {
+        **env,
+        "PREFECT_LOGGING_EXTRA_LOGGERS": "flywheel.inference",
+    }  # Prefect is imported first: as in prefect.yaml.
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return process, pid_file
 

@@ -1,21 +1,21 @@
 """The CLI from a user's project folder: one that holds `data/`, `evaluation/`, `training/`, `flows/`,
 `environments/`, `inference/` and a `data.py` (names any ML project may have) shadows none of our
-packages, and a round described by the user's own YAML (their env file, their lm-eval tasks, the
-tiny model on the `quick` profile) runs there."""
+packages, nor is shadowed by ours (the user's env file imports their own `training`), and a round
+described by the user's own YAML (their env file, their lm-eval tasks, the tiny model on the `quick`
+profile) runs there."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from data import ArtifactStore
-from environments.custom import file_stats_env
-from flows.stages import STAGES
+from flywheel.data import ArtifactStore
+from flywheel.environments.custom import file_stats_env
+from flywheel.flows.stages import STAGES
 from tests.evaluation.test_lm_eval_and_agentic import USER_TASK, USER_UTILS
 from tests.flows.test_cli import FLYWHEEL
 
@@ -38,7 +38,9 @@ def user_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in SHADOWS:
         (folder / name).mkdir()
     (folder / "data.py").write_text("raise SystemExit('the user data.py was imported')\n")
-    shutil.copy(Path(file_stats_env.__file__), folder / "my_env.py")
+    (folder / "training" / "__init__.py").write_text("MARK = 'mine'\n")  # The env imports its own `training`.
+    env_source = Path(file_stats_env.__file__).read_text()
+    (folder / "my_env.py").write_text(f"from training import MARK\nassert MARK == 'mine'\n{env_source}")
     tasks = folder / "my_tasks"
     tasks.mkdir()
     rows = "".join(json.dumps({"question": f"Say {w}.", "answer": w}) + "\n" for w in ("hi", "yo", "ok"))

@@ -7,11 +7,11 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from data import ArtifactStore
-from flows import work
-from flows.flywheel import round_inputs
-from flows.round_config import GenerateSection, load_round_config, profile
-from training.config import ConfigError
+from flywheel.data import ArtifactStore
+from flywheel.flows import work
+from flywheel.flows.flywheel import round_inputs
+from flywheel.flows.round_config import GenerateSection, load_round_config, profile
+from flywheel.training.config import ConfigError
 
 
 def test_the_served_policy_can_be_the_teacher(model_store: ArtifactStore, tiny_model, model_cache, monkeypatch) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from inference import ModelServer, ServerConfig, ServerError, build_command, chat
-from inference.server import server_env
+from flywheel.inference import ModelServer, ServerConfig, ServerError, build_command, chat
+from flywheel.inference.server import server_env
 
 
 def _pid_alive(pid: int) -> bool:
@@ -50,7 +50,7 @@ def test_vllm_command_carries_gpu_and_tool_flags(tiny_model: Path) -> None:
 def test_transformers_command_caps_kv_cache(tiny_model: Path) -> None:
     command = build_command(ServerConfig(model=str(tiny_model)), 8123)
     # Through the wrapper that gives continuous batching per-sequence attention (inference/varlen_sdpa.py).
-    assert command[:5] == ["python", "-m", "inference.transformers_serve", "serve", str(tiny_model)]
+    assert command[:5] == ["python", "-m", "flywheel.inference.transformers_serve", "serve", str(tiny_model)]
     assert "--continuous-batching" in command
     assert command[command.index("--cb-max-memory-percent") + 1] == "0.12"
     assert command[command.index("--cb-block-size") + 1] == "64"  # Prefix reuse to the nearest 64 tokens.
@@ -131,7 +131,7 @@ def test_server_output_streams_to_the_log_but_per_request_lines_only_at_debug(ti
     ]
     server = ModelServer(ServerConfig(model=str(tiny_model)))
     server.process = subprocess.Popen(["printf", "%s\\n", *lines], stdout=subprocess.PIPE)
-    with caplog.at_level(logging.DEBUG, logger="inference.server"):
+    with caplog.at_level(logging.DEBUG, logger="flywheel.inference.server"):
         server._stream_log()
     levels = {record.getMessage().split("] ", 1)[1]: record.levelno for record in caplog.records}
     assert levels == dict(zip(lines, [logging.INFO, logging.DEBUG, logging.DEBUG, logging.INFO], strict=True))

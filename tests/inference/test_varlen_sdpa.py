@@ -10,7 +10,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from inference.varlen_sdpa import use_varlen_sdpa, varlen_sdpa_attention
+from flywheel.inference.varlen_sdpa import use_varlen_sdpa, varlen_sdpa_attention
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 

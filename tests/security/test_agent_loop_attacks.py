@@ -19,11 +19,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from environments.agent.policies import ScriptedPolicy
-from environments.agent.tools import resolve_toolsets
-from environments.agent_loop import DEFAULT_MAX_TOOL_CALLS_PER_REPLY, AgentResult, HermesAgentLoop
-from environments.tool_context import ToolContext, live_task_ids, release
-from environments.tool_use_chain import ToolUseChainEnv
+from flywheel.environments.agent.policies import ScriptedPolicy
+from flywheel.environments.agent.tools import resolve_toolsets
+from flywheel.environments.agent_loop import DEFAULT_MAX_TOOL_CALLS_PER_REPLY, AgentResult, HermesAgentLoop
+from flywheel.environments.tool_context import ToolContext, live_task_ids, release
+from flywheel.environments.tool_use_chain import ToolUseChainEnv
 
 TOOLS = resolve_toolsets(["terminal", "file"])
 CAP = DEFAULT_MAX_TOOL_CALLS_PER_REPLY

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from data import ArtifactStore
-from flows import cli
-from flows.cli_errors import failure_line
+from flywheel.data import ArtifactStore
+from flywheel.flows import cli
+from flywheel.flows.cli_errors import failure_line
 from tests.flows.test_cli import GROUPS, SUBCOMMANDS, run
 
 SFT_CONFIG = Path(__file__).resolve().parents[2] / "training" / "configs" / "sft_tiny.yaml"
@@ -117,7 +117,7 @@ def test_verbose_logs_the_traceback_of_an_unexpected_error(
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(cli, "resolve_model", broken)
-    with caplog.at_level(logging.DEBUG, logger="flows.cli"), pytest.raises(SystemExit) as done:
+    with caplog.at_level(logging.DEBUG, logger="flywheel.flows.cli"), pytest.raises(SystemExit) as done:
         cli.main(["-v", "serve", "tiny"])
     assert done.value.code == 1
     assert capsys.readouterr().err.strip() == "error: RuntimeError: a bug"

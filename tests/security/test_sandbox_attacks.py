@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from environments.errors import SandboxViolation
-from environments.sandbox import box as sandbox_module
-from environments.sandbox.box import LocalSandbox, SandboxLimits, isolation_available, isolation_report
+from flywheel.environments.errors import SandboxViolation
+from flywheel.environments.sandbox import box as sandbox_module
+from flywheel.environments.sandbox.box import LocalSandbox, SandboxLimits, isolation_available, isolation_report
 
 REQUIRED = os.environ.get("FLYWHEEL_REQUIRE_ISOLATION") == "1"
 isolated = pytest.mark.skipif(not isolation_available() and not REQUIRED, reason="needs root and bubblewrap")
@@ -177,7 +177,7 @@ def test_uids_are_unique_across_processes(tmp_path: Path) -> None:
     held = [LocalSandbox("parent") for _ in range(40)]
     try:
         code = (
-            "from environments.sandbox.box import LocalSandbox\n"
+            "from flywheel.environments.sandbox.box import LocalSandbox\n"
             "boxes = [LocalSandbox('child') for _ in range(40)]\n"
             "print(' '.join(str(b.uid) for b in boxes))\n"
             "[b.cleanup() for b in boxes]\n"
@@ -203,7 +203,7 @@ def test_workspace_name_does_not_reveal_the_task(box: LocalSandbox) -> None:
 def test_project_source_cannot_be_imported_or_read(box: LocalSandbox) -> None:
     """The agent cannot regenerate its task (and its hidden answer) from our code."""
     repo = Path(__file__).resolve().parents[2]
-    assert "ModuleNotFoundError" in box.run("python -c 'import environments.task_stream'").output
+    assert "ModuleNotFoundError" in box.run("python -c 'import flywheel.environments.task_stream'").output
     listing = box.run(f"ls -a {repo}").output
     # Only the Python environment is bound in (when it lies inside the checkout), or nothing at all.
     assert "No such file or directory" in listing or set(listing.split()) <= {".", "..", ".venv"}
@@ -366,7 +366,7 @@ def test_unisolated_sandbox_says_so_once(monkeypatch: pytest.MonkeyPatch, caplog
     monkeypatch.setattr(sandbox_module, "_ISOLATION", False)
     monkeypatch.setattr(sandbox_module, "_WARNED", False)
     monkeypatch.delenv("FLYWHEEL_REQUIRE_ISOLATION", raising=False)  # Development: allowed, with a warning.
-    with caplog.at_level(logging.WARNING, logger="environments.sandbox.box"):
+    with caplog.at_level(logging.WARNING, logger="flywheel.environments.sandbox.box"):
         boxes = [LocalSandbox("plain") for _ in range(3)]
     for b in boxes:
         assert b.run("echo ok").output.strip() == "ok"

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from data import ArtifactNotFound, ArtifactStore, CorruptBlobError, Manifest, StoreError
-from data.refs import update_ref
+from flywheel.data import ArtifactNotFound, ArtifactStore, CorruptBlobError, Manifest, StoreError
+from flywheel.data.refs import update_ref
 
 PART = 8 * 1024 * 1024
 BIG = 2 * PART + 4096  # Three S3 parts once `_multipart` lowers the store's thresholds.
@@ -87,8 +87,8 @@ def test_manifest_paths_are_checked_on_every_read(store: ArtifactStore, tmp_path
 @pytest.fixture
 def _multipart(monkeypatch: pytest.MonkeyPatch) -> None:
     """Send BIG files to S3 in parallel parts (the path of files over 100 MiB), so tests stay small."""
-    monkeypatch.setattr("data.transfer._SINGLE_PUT_MAX", 0)
-    monkeypatch.setattr("data.transfer._PART", PART)
+    monkeypatch.setattr("flywheel.data.transfer._SINGLE_PUT_MAX", 0)
+    monkeypatch.setattr("flywheel.data.transfer._PART", PART)
 
 
 @pytest.mark.usefixtures("_multipart")
@@ -265,9 +265,8 @@ def test_bad_name_is_refused_before_anything_is_written(store: ArtifactStore, na
 _KILLED_PUT = textwrap.dedent(
     """
     import os, sys
-    import data.transfer
-    from data import ArtifactStore
-    data.transfer._SINGLE_PUT_MAX, data.transfer._PART = 0, int(sys.argv[3])  # As the `_multipart` fixture.
+    from flywheel.data import ArtifactStore, transfer
+    transfer._SINGLE_PUT_MAX, transfer._PART = 0, int(sys.argv[3])  # As the `_multipart` fixture.
     store = ArtifactStore(sys.argv[1])
     store.put("dataset", "big", sys.argv[2], progress=lambda n: os._exit(9))  # Killed mid-copy.
     """
@@ -294,7 +293,7 @@ def test_killed_put_leaves_leftovers_that_verify_reports_and_cleans(store: Artif
 
 
 def test_verify_never_cleans_a_live_write(local_store: ArtifactStore) -> None:
-    from data.refs import staged_file
+    from flywheel.data.refs import staged_file
 
     with staged_file(Path(local_store.root, "tmp")) as (staged, handle):
         handle.write(b"in progress")

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from environments.agent.policies import ScriptedPolicy, call, final
-from environments.hermes_base_env import HermesAgentBaseEnv
-from environments.long_horizon import LongHorizonEnv
-from environments.swe_bench import SWEBenchEnv
-from environments.verify.hidden_tests import parse_junit
-from environments.web_navigation import WebNavigationEnv
+from flywheel.environments.agent.policies import ScriptedPolicy, call, final
+from flywheel.environments.hermes_base_env import HermesAgentBaseEnv
+from flywheel.environments.long_horizon import LongHorizonEnv
+from flywheel.environments.swe_bench import SWEBenchEnv
+from flywheel.environments.verify.hidden_tests import parse_junit
+from flywheel.environments.web_navigation import WebNavigationEnv
 
 Policy = Callable[[dict[str, Any]], list[dict[str, Any]]]
 EXIT_ZERO = "import atexit, os\natexit.register(os._exit, 0)\n"

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from data import ArtifactStore
-from training import AtroposRunner
-from training.config import ConfigError
+from flywheel.data import ArtifactStore
+from flywheel.training import AtroposRunner
+from flywheel.training.config import ConfigError
 
 SEED_PROGRAM = """
 # run_training.py
-from environments.tool_use_chain import ToolUseChainEnv
-from training import AtroposRunner
+from flywheel.environments.tool_use_chain import ToolUseChainEnv
+from flywheel.training import AtroposRunner
 
 env = ToolUseChainEnv(
     num_tasks=100,

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from data import ArtifactStore
+from flywheel.data import ArtifactStore
+from flywheel.training.checkpoints import resume_key, step_ref
+from flywheel.training.config import TrainConfig
+from flywheel.training.grpo import GRPORunConfig
+from flywheel.training.registry import run_training
+from flywheel.training.sft import SFTRunConfig
 from tests.training.test_sft import conversation
-from training.checkpoints import resume_key, step_ref
-from training.config import TrainConfig
-from training.grpo import GRPORunConfig
-from training.registry import run_training
-from training.sft import SFTRunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 _KILLED_RUN = """
 import json, os, signal, sys
 from transformers import TrainerCallback
-from data import ArtifactStore
-from training.registry import algorithm, run_training
+from flywheel.data import ArtifactStore
+from flywheel.training.registry import algorithm, run_training
 
 class KillAfterSave(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):

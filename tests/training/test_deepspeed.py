@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from inference import free_port
+from flywheel.inference import free_port
 
 pytest.importorskip("deepspeed")
 
@@ -23,8 +23,8 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTTrainer
 from tests.training.test_sft import conversation
-from training.run_logs import MetricsCallback, RunDir
-from training.sft import SFTRunConfig, tokenize_rows, trainer_args, training_template
+from flywheel.training.run_logs import MetricsCallback, RunDir
+from flywheel.training.sft import SFTRunConfig, tokenize_rows, trainer_args, training_template
 
 model_dir, stage, logs = Path(sys.argv[1]), (None if sys.argv[2] == "none" else sys.argv[2]), sys.argv[3]
 tokenizer = AutoTokenizer.from_pretrained(model_dir)

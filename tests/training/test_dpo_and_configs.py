@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from data import ArtifactStore
-from training.config import ConfigError, load_config
-from training.dpo import DPORunConfig, render_pairs
-from training.launch import launch_command
-from training.registry import ALGORITHMS, load_run_config, run_training
-from training.sft import SFTRunConfig
+from flywheel.data import ArtifactStore
+from flywheel.training.config import ConfigError, load_config
+from flywheel.training.dpo import DPORunConfig, render_pairs
+from flywheel.training.launch import launch_command
+from flywheel.training.registry import ALGORITHMS, load_run_config, run_training
+from flywheel.training.sft import SFTRunConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "training" / "configs").glob("*.yaml"))
 
@@ -69,7 +69,7 @@ def test_launch_command_for_multi_gpu_sft() -> None:
     command = launch_command(SFTRunConfig(dataset="d", deepspeed="zero3"), "cfg.yaml", 8)
     assert command[:4] == ["accelerate", "launch", "--num_processes", "8"]
     assert any(part.endswith("zero3.json") for part in command)
-    assert command[-6:] == ["-m", "flows.cli", "train", "sft", "--config", "cfg.yaml"]
+    assert command[-6:] == ["-m", "flywheel.flows.cli", "train", "sft", "--config", "cfg.yaml"]
 
 
 def test_train_cli_dry_run_and_config_errors(tmp_path: Path) -> None:
@@ -91,8 +91,8 @@ def test_online_dpo_pairs_the_best_and_worst_rollout_of_each_group(tiny_model: P
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from flywheel.training.dpo import sample_pairs
     from tests.training.test_grpo import _count_lines_like_the_oracle, _script_generation
-    from training.dpo import sample_pairs
 
     starts = iter(range(1000))
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from data import ArtifactStore
-from environments.registry import env_class
-from environments.tool_context import live_task_ids
-from training.config import ConfigError, load_config
-from training.grpo import (
+from flywheel.data import ArtifactStore
+from flywheel.environments.registry import env_class
+from flywheel.environments.tool_context import live_task_ids
+from flywheel.training.config import ConfigError, load_config
+from flywheel.training.grpo import (
     GRPORunConfig,
     RewardDistributionWarning,
     env_reward,
@@ -26,8 +26,8 @@ from training.grpo import (
     score_reference_in_bf16,
     task_dataset,
 )
-from training.rollouts import PolicyServer, agent_rollout_func
-from training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
+from flywheel.training.rollouts import PolicyServer, agent_rollout_func
+from flywheel.training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
 
 os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
 
@@ -195,7 +195,7 @@ def _adder(conversation: str) -> str:
 
 
 def test_grpo_trains_a_users_step_env_and_its_reward_reaches_the_trainer(tiny_model: Path, tmp_path: Path) -> None:
-    from environments.adapter import StepEnvAdapter
+    from flywheel.environments.adapter import StepEnvAdapter
     from tests.environments.seed_my_env import MyEnv, write_tasks
 
     write_tasks(str(tmp_path / "tasks.jsonl"))
@@ -229,7 +229,7 @@ def test_the_oracles_actions_through_the_grpo_path_pass_the_verifier(tiny_model:
 def test_run_grpo_stores_a_checkpoint_with_lineage(
     model_store: ArtifactStore, tiny_model: Path, tmp_path: Path
 ) -> None:
-    from training.grpo import run_grpo
+    from flywheel.training.grpo import run_grpo
 
     cfg = GRPORunConfig(  # One completion per micro-batch: the group spans two (as the default round trains).
         total_steps=1,
@@ -262,7 +262,7 @@ def test_grpo_does_not_train_when_screening_finds_no_signal(
     from safetensors.torch import load_file
     from transformers import AutoTokenizer, PreTrainedModel
 
-    from training.grpo import run_grpo
+    from flywheel.training.grpo import run_grpo
 
     scripted = ScriptedPolicy(AutoTokenizer.from_pretrained(tiny_model), lambda conversation: "I do not know.")
     monkeypatch.setattr(PreTrainedModel, "init_continuous_batching", lambda self, **_: scripted, raising=False)
@@ -279,15 +279,15 @@ def test_grpo_does_not_train_when_screening_finds_no_signal(
 
 
 def test_grpo_vllm_generation_server_command(tiny_model: Path) -> None:
-    from inference import ServerConfig, build_command
-    from training.grpo import GRPO_VLLM_SERVER_ARGS, GRPO_VLLM_SERVER_ENV
+    from flywheel.inference import ServerConfig, build_command
+    from flywheel.training.grpo import GRPO_VLLM_SERVER_ARGS, GRPO_VLLM_SERVER_ENV
 
     config = ServerConfig(model=str(tiny_model), backend="vllm", tool_call_parser=None, tensor_parallel_size=2,
                           extra_args=GRPO_VLLM_SERVER_ARGS, env=GRPO_VLLM_SERVER_ENV)  # fmt: skip
     command = build_command(config, 8000)
     assert command[:2] == ["vllm", "serve"] and "--enable-auto-tool-choice" not in command
     assert command[-6:] == GRPO_VLLM_SERVER_ARGS and config.env == {"VLLM_SERVER_DEV_MODE": "1"}
-    from training.grpo import grpo_kwargs
+    from flywheel.training.grpo import grpo_kwargs
 
     args = grpo_kwargs(GRPORunConfig(device="cuda", use_vllm=True, vllm_mode="server",
                                    vllm_server_base_url="http://127.0.0.1:8000"), "/tmp/x")  # fmt: skip
@@ -360,7 +360,7 @@ def test_closing_the_policy_server_hands_its_kv_cache_back(tiny_model: Path, mon
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import training.rollouts
+    import flywheel.training.rollouts
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
@@ -369,7 +369,7 @@ def test_closing_the_policy_server_hands_its_kv_cache_back(tiny_model: Path, mon
     asyncio.run(server.chat_completion([{"role": "user", "content": "Hi"}], temperature=0.0))
     managers = [weakref.ref(manager) for manager in server._managers.values()]
     monkeypatch.setattr(
-        training.rollouts, "return_free_heap", lambda: handed_back.append(all(m() is None for m in managers))
+        flywheel.training.rollouts, "return_free_heap", lambda: handed_back.append(all(m() is None for m in managers))
     )
     server.close()
     assert managers and handed_back == [True]
@@ -381,12 +381,12 @@ def test_the_policy_server_hands_freed_memory_back_before_each_kv_cache(tiny_mod
     with them kept (the cache mapped beside 1.3 GB of free pages)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import training.rollouts
+    import flywheel.training.rollouts
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     events: list[str] = []
-    monkeypatch.setattr(training.rollouts, "return_free_heap", lambda: events.append("handed back"))
+    monkeypatch.setattr(flywheel.training.rollouts, "return_free_heap", lambda: events.append("handed back"))
     start = model.init_continuous_batching
     monkeypatch.setattr(model, "init_continuous_batching", lambda **kw: events.append("cache") or start(**kw))
     with PolicyServer(lambda: model, tokenizer, top_k=0, max_new_tokens=4) as server:

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from training.launch import LaunchError, launch_command, run_logged
-from training.sft import SFTRunConfig
+from flywheel.training.launch import LaunchError, launch_command, run_logged
+from flywheel.training.sft import SFTRunConfig
 
 SFT_CONFIG = str(Path(__file__).resolve().parents[2] / "training" / "configs" / "sft_tiny.yaml")
 
 
 def test_output_is_logged_line_by_line(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="training.launch"):
+    with caplog.at_level(logging.INFO, logger="flywheel.training.launch"):
         run_logged([sys.executable, "-c", "print('step 1 loss 2.0'); print('step 2 loss 1.5')"])
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.endswith("] step 1 loss 2.0") for line in lines)
@@ -44,7 +44,7 @@ def test_an_interrupted_caller_kills_the_whole_process_group(caplog: pytest.LogC
     previous = signal.signal(signal.SIGALRM, timeout)
     signal.alarm(3)
     try:
-        with caplog.at_level(logging.INFO, logger="training.launch"), pytest.raises(TimeoutError):
+        with caplog.at_level(logging.INFO, logger="flywheel.training.launch"), pytest.raises(TimeoutError):
             run_logged([sys.executable, "-c", child])
     finally:
         signal.alarm(0)
@@ -71,12 +71,12 @@ def test_launch_command_carries_every_override_and_the_store() -> None:
     )
     assert command[:4] == ["accelerate", "launch", "--num_processes", "2"] and "--multi_gpu" in command
     cli = command[command.index("-m") + 1 :]
-    assert cli == ["flows.cli", "--store", "s3://bucket/runs", "train", "sft", "--config", "cfg.yaml",
+    assert cli == ["flywheel.flows.cli", "--store", "s3://bucket/runs", "train", "sft", "--config", "cfg.yaml",
                    "total_steps=5", "learning_rate=1e-4"]  # fmt: skip
 
 
 def _run_launched_process(command: list[str]) -> subprocess.CompletedProcess[str]:
-    """What each GPU's process runs: `python -m flows.cli ...` (accelerate only adds the process group)."""
+    """What each GPU's process runs: `python -m flywheel.flows.cli ...` (accelerate only adds the process group)."""
     module = command[command.index("-m") :]
     return subprocess.run([sys.executable, *module], capture_output=True, text=True, timeout=120)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from data import ArtifactStore
-from training.models import TRAINING_TEMPLATE_FILE, ModelError, prepare_model, resolve_model
+from flywheel.data import ArtifactStore
+from flywheel.training.models import TRAINING_TEMPLATE_FILE, ModelError, prepare_model, resolve_model
 
 
 def test_tiny_model_is_a_chatml_llama_with_tool_template(tiny_model: Path) -> None:

@@ -13,15 +13,15 @@ import json
 import re
 from pathlib import Path
 
-from data import ArtifactStore
-from environments.agent.messages import messages_with_dict_arguments
-from environments.registry import env_class
-from evaluation.agentic import AgenticEvalConfig, run_agentic_eval
+from flywheel.data import ArtifactStore
+from flywheel.environments.agent.messages import messages_with_dict_arguments
+from flywheel.environments.registry import env_class
+from flywheel.evaluation.agentic import AgenticEvalConfig, run_agentic_eval
+from flywheel.training.grpo import GRPORunConfig, grpo_args, policy_envs, task_prompt
+from flywheel.training.rollouts import Task, agent_rollout_func, prompt_key
+from flywheel.training.run_logs import RunDir
 from tests.environments.conftest import chat_reply
 from tests.training.test_grpo import _count_lines_like_the_oracle, _script_generation
-from training.grpo import GRPORunConfig, grpo_args, policy_envs, task_prompt
-from training.rollouts import Task, agent_rollout_func, prompt_key
-from training.run_logs import RunDir
 
 TURNS, TURN_TOKENS, ITEMS = 4, 96, 6
 

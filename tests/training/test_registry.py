@@ -11,11 +11,11 @@ import typer
 from pydantic import Field
 from typer.testing import CliRunner
 
-from data import ArtifactStore, Manifest
-from flows import cli
-from training import registry
-from training.config import TrainConfig
-from training.launch import launch_command
+from flywheel.data import ArtifactStore, Manifest
+from flywheel.flows import cli
+from flywheel.training import registry
+from flywheel.training.config import TrainConfig
+from flywheel.training.launch import launch_command
 
 
 class ToyConfig(TrainConfig):

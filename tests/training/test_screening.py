@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from environments.registry import env_class
-from training.grpo import SCREENING_FILE, GRPORunConfig, env_reward, grpo_args, screen_into, task_prompt
-from training.rollouts import Task, agent_rollout_func, prompt_key
-from training.run_logs import MetricsCallback, RunDir
-from training.screening import screen_tasks, slice_of
+from flywheel.environments.registry import env_class
+from flywheel.training.grpo import SCREENING_FILE, GRPORunConfig, env_reward, grpo_args, screen_into, task_prompt
+from flywheel.training.rollouts import Task, agent_rollout_func, prompt_key
+from flywheel.training.run_logs import MetricsCallback, RunDir
+from flywheel.training.screening import screen_tasks, slice_of
 
 SOLVE_RATE = {"easy": 1.0, "medium": 0.5, "hard": 0.0}  # Mastered, learnable, unsolved.
 
@@ -109,8 +109,8 @@ def test_grpo_step_one_trains_on_the_screened_groups(tiny_model: Path, tmp_path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
 
+    from flywheel.training.grpo import policy_envs, task_dataset
     from tests.training.test_grpo import _script_generation
-    from training.grpo import policy_envs, task_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from data import ArtifactStore, lineage
-from training.run_logs import MetricsCallback, NonFiniteError, NonFiniteGuard, RunDir
-from training.sft import SFTRunConfig, run_sft, tokenize_rows, trainer_args, training_template
+from flywheel.data import ArtifactStore, lineage
+from flywheel.training.run_logs import MetricsCallback, NonFiniteError, NonFiniteGuard, RunDir
+from flywheel.training.sft import SFTRunConfig, run_sft, tokenize_rows, trainer_args, training_template
 
 ADD_PARAMETERS = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": ADD_PARAMETERS}}]
@@ -61,16 +61,16 @@ def test_a_conversation_longer_than_max_length_is_left_out_or_cut_with_figures(
     short, long = conversation(2, 3) | {"tools": TOOLS}, conversation(123456, 654321) | {"tools": TOOLS}
     template = training_template(tiny_model, tokenizer)
     fits = len(tokenize_rows(tokenizer, [short], template, 4096)["input_ids"][0])
-    with caplog.at_level("WARNING", logger="training.sft"):
+    with caplog.at_level("WARNING", logger="flywheel.training.sft"):
         out = tokenize_rows(tokenizer, [long, short, long], template, fits)
     assert out["input_ids"] == tokenize_rows(tokenizer, [short], template, fits)["input_ids"]
     assert "2 of 3 conversations exceed max_length" in caplog.text and "left out" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="training.sft"):
+    with caplog.at_level("WARNING", logger="flywheel.training.sft"):
         cut = tokenize_rows(tokenizer, [long, short], template, fits, overlong="truncate")
     assert [len(ids) for ids in cut["input_ids"]] == [fits, fits] and "assistant tokens are cut off" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="training.sft"):
+    with caplog.at_level("WARNING", logger="flywheel.training.sft"):
         tokenize_rows(tokenizer, [short], template, fits)
     assert caplog.text == ""
     with pytest.raises(ValueError, match=f"none of 1 conversations fits max_length={fits - 1}: raise max_length"):

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from data import ArtifactStore
-from data.curation import curate
-from environments.tool_call_parsers import get_parser
-from environments.tool_use_chain import ToolUseChainEnv
-from training.sft import SFTRunConfig, run_sft
+from flywheel.data import ArtifactStore
+from flywheel.data.curation import curate
+from flywheel.environments.tool_call_parsers import get_parser
+from flywheel.environments.tool_use_chain import ToolUseChainEnv
+from flywheel.training.sft import SFTRunConfig, run_sft
 
 KNOWN_TOOLS = {"terminal", "read_file", "write_file", "list_files"}
 
