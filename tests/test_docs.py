@@ -3,8 +3,10 @@ describes the project's own making."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +44,35 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "site" / "guide" / "configuring-rounds" / "index.html").exists()
+
+
+def benchmark_gaps(root: Path) -> list[str]:
+    """Benchmarks the docs leave out: each script needs a docstring (what it measures) and a section
+    of docs/benchmarks.md that names it (how to run it, its latest figures)."""
+    page = (root / "docs" / "benchmarks.md").read_text()
+    sections = page.split("\n## ")[1:]
+    gaps = []
+    for script in sorted((root / "benchmarks").glob("*.py")):
+        if not ast.get_docstring(ast.parse(script.read_text())):
+            gaps.append(f"{script.name}: no docstring")
+        if not any(f"benchmarks/{script.name}" in section for section in sections):
+            gaps.append(f"{script.name}: no section of docs/benchmarks.md names it")
+    return gaps
+
+
+def test_every_benchmark_is_documented() -> None:
+    assert benchmark_gaps(ROOT) == []
+
+
+def test_a_new_benchmark_needs_its_docstring_and_section(tmp_path: Path) -> None:
+    """docs/guide/extending.md's touch points for a benchmark, followed for a toy one."""
+    shutil.copytree(ROOT / "benchmarks", tmp_path / "benchmarks")
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / "docs" / "benchmarks.md"
+    page.write_text((ROOT / "docs" / "benchmarks.md").read_text())
+    toy = tmp_path / "benchmarks" / "toy.py"
+    toy.write_text("print(1.0)\n")
+    assert benchmark_gaps(tmp_path) == ["toy.py: no docstring", "toy.py: no section of docs/benchmarks.md names it"]
+    toy.write_text('"""Toy: ours vs a baseline, side by side."""\nprint(1.0)\n')
+    page.write_text(page.read_text() + "\n## Toy\n\n`benchmarks/toy.py` prints 1.0 (2026-12-06).\n")
+    assert benchmark_gaps(tmp_path) == []
