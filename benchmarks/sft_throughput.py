@@ -76,8 +76,10 @@ def main() -> None:
             cfg = SFTRunConfig(policy_model=args.model, dataset=str(data), total_steps=args.steps, batch_size=4,
                                learning_rate=1e-4, logs_root=f"{tmp}/logs", output_name=name,
                                mixed_precision=mixed_precision)  # fmt: skip
-            script = ("from flywheel.training.sft import *; from flywheel.data import ArtifactStore; "
-                      f"run_sft(SFTRunConfig.model_validate_json({cfg.model_dump_json()!r}), ArtifactStore())")
+            script = (
+                "from flywheel.training.sft import *; from flywheel.data import ArtifactStore; "
+                f"run_sft(SFTRunConfig.model_validate_json({cfg.model_dump_json()!r}), ArtifactStore())"
+            )
             subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)  # fmt: skip
             return time.perf_counter() - started
 
