@@ -28,7 +28,7 @@ def round_plan(config: RoundConfig, profile: str | None = None) -> dict[str, Any
     common: dict[str, Any] = {"round_no": 1, "config": p}
     sft = work.sft_config(work.SFTParams(**common, base=f"model/{p.model}", dataset="<round-1 SFT dataset>"))
     rl = work.rl_config(work.RLParams(**common, policy="<round-1 SFT checkpoint>"))
-    server = work.server_config(p, f"<model/{p.model}>", planned=True)
+    server = work.server_config(p, f"<cache>/{p.model}", planned=True)
     stages: dict[str, dict[str, Any]] = {name: _placement(name, p, settings) for name in STAGES}
     stages["generate"] |= {"envs": p.envs, **p.generate.model_dump(), "curriculum": p.curriculum.mode}
     if p.generate.teacher == "policy" or p.curriculum.mode == "mined":  # Learnable slices: the round's model, served.

@@ -79,6 +79,7 @@ RLSection = _section(
     screen_tasks=0,
     kl_beta=GRPORunConfig.model_fields["kl_beta"].default,
     allow_low_kl=False,
+    top_k=None,
     **_TRAINING | {"learning_rate": GRPORunConfig.model_fields["learning_rate"].default},
 )
 EvalSection = _section(

@@ -197,7 +197,7 @@ class Stage:
 STAGES: dict[str, Stage] = {
     stage.name: stage
     for stage in (
-        Stage("generate", GenerateParams, generate, work.generate),
+        Stage("generate", GenerateParams, generate, work.generate, gpu=True),  # Serves the policy for the curriculum.
         Stage("curate", CurateParams, curate, work.curate),
         Stage("sft", SFTParams, sft, work.sft, gpu=True),
         Stage("rl", RLParams, rl, work.rl, gpu=True),

@@ -147,7 +147,12 @@ class RunnerConfig(TrainConfig):
         default=None, ge=8, description="Tokens per model reply (None: the env's own; the env config's name)."
     )
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature.")
-    top_k: int = Field(default=10, ge=0, description="Top-k sampling (0: off); small models need it.")
+    top_k: int | None = Field(
+        default=None,
+        ge=0,
+        description="Top-k sampling (0: off; None: 10 generating in-process, where small models need it, "
+        "0 on vLLM, whose log-probs are taken after top-k).",
+    )
     rollouts_every: int = Field(default=5, ge=1, description="Save sampled rollouts every N steps.")
 
     @model_validator(mode="after")
@@ -160,6 +165,10 @@ class RunnerConfig(TrainConfig):
                 "kl_beta=%s is below %s: the policy may drift far from the reference", self.kl_beta, MIN_KL_BETA
             )
         return self
+
+    def sampling_top_k(self, on_vllm: bool = False) -> int:
+        """`top_k` as set, else 10 in-process and 0 on vLLM."""
+        return self.top_k if self.top_k is not None else (0 if on_vllm else 10)
 
     def problems(self) -> list[str]:
         """Everything wrong with the settings, each with what to set (subclasses add theirs)."""

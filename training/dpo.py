@@ -64,7 +64,7 @@ def sample_pairs(
     agents = policy_envs(cfg, envs, model_dir, tokenizer)
     _, tasks = task_dataset(agents, cfg.num_tasks)
     pairs = []
-    with PolicyServer(lambda: model, tokenizer, cfg.top_k, cfg.max_completion_length) as server:
+    with PolicyServer(lambda: model, tokenizer, cfg.sampling_top_k(), cfg.max_completion_length) as server:
         groups = []
         for task in tasks.values():
             task.env.server = server

@@ -38,31 +38,22 @@ from flywheel.training.screening import screen_tasks
 
 logger = logging.getLogger(__name__)
 
-# `vllm serve` flags and environment that TRL's GRPO server mode needs (weights are pushed over NCCL;
-# log-probs must reflect sampling). Pass them as `ServerConfig(extra_args=..., env=...)` when starting it.
-GRPO_VLLM_SERVER_ARGS = [
-    "--weight-transfer-config",
-    '{"backend": "nccl"}',
-    "--logprobs-mode",
-    "processed_logprobs",
-    "--max-logprobs",
-    "-1",
-]
-GRPO_VLLM_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
-
 
 class RewardStats(TrainerCallback):
-    """Adds each env's reward mean/std and the step's tokens per second to the step's log (so to
-    metrics.jsonl and the Prefect run); list it before the callbacks that write the log."""
+    """Adds each env's reward mean/std, the rollouts re-tokenised instead of trained on their sampled
+    tokens, and the step's tokens per second to the step's log (so to metrics.jsonl and the Prefect
+    run); list it before the callbacks that write the log."""
 
     def __init__(self) -> None:
         self.rewards: dict[str, list[float]] = defaultdict(list)
+        self.retokenized = 0
         self._tokens = 0.0
 
-    def record(self, envs: list[str], rewards: list[float | None]) -> None:
+    def record(self, envs: list[str], rewards: list[float | None], retokenized: list[bool] | None = None) -> None:
         for env, reward in zip(envs, rewards, strict=True):
             if reward is not None:  # An infra failure is not a score.
                 self.rewards[env].append(reward)
+        self.retokenized += sum(retokenized or [])
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if not logs or "reward" not in logs:
@@ -71,6 +62,7 @@ class RewardStats(TrainerCallback):
             logs[f"rewards/{env}/mean"] = statistics.fmean(values)
             logs[f"rewards/{env}/std"] = statistics.pstdev(values)
         self.rewards.clear()
+        logs["rollouts_retokenized"], self.retokenized = self.retokenized, 0
         if logs.get("num_tokens") and logs.get("step_time"):
             logs["tokens_per_second"] = (logs["num_tokens"] - self._tokens) / logs["step_time"]
             self._tokens = logs["num_tokens"]
@@ -81,7 +73,7 @@ def env_reward(run: RunDir, every: int, stats: RewardStats | None = None) -> Any
 
     def flywheel_env_reward(prompts, completions, env_reward, trainer_state, **extra: Any) -> list[float | None]:  # type: ignore[no-untyped-def]
         if stats is not None and "env" in extra:
-            stats.record(extra["env"], env_reward)
+            stats.record(extra["env"], env_reward, extra.get("retokenized"))
         if trainer_state.global_step % every == 0:
             samples = [
                 {"prompt": p, "completion": c, "reward": r, "task_completed": done}
@@ -115,8 +107,11 @@ class GRPORunConfig(RunnerConfig):
 
     algorithm: Literal["grpo"] = Field(default="grpo", description="Always grpo.")
     use_vllm: bool | None = Field(default=None, description="Generate with vLLM (None: on CUDA yes, on CPU no).")
-    vllm_mode: Literal["server", "colocate"] = Field(default="colocate", description="vLLM beside or in-process.")
-    vllm_server_base_url: str | None = Field(default=None, description="server mode: the `vllm serve` URL.")
+    vllm_mode: Literal["colocate"] = Field(
+        default="colocate",
+        description="vLLM in each training process. TRL's server mode is not offered: its generate is a collective "
+        "call, and the env loops of different ranks call it a different number of times (a hang).",
+    )
     screen_tasks: int = Field(
         default=0,
         ge=0,
@@ -127,10 +122,14 @@ class GRPORunConfig(RunnerConfig):
         problems = super().problems()
         if self.ref_model not in (None, self.policy_model):
             problems.append("GRPO's KL reference is the initial policy: leave ref_model empty or equal to policy_model")
-        if self.use_vllm and self.vllm_mode == "server" and not self.vllm_server_base_url:
-            problems.append("vllm_mode=server needs vllm_server_base_url")
         if self.use_vllm and self.device == "cpu":
             problems.append("use_vllm needs device=cuda (vLLM's wheel is CUDA-only)")
+        if self.top_k and (self.use_vllm or (self.use_vllm is None and self.device == "cuda")):
+            problems.append(
+                f"top_k={self.top_k} with vLLM: vLLM's sampling log-probs are renormalised over the top k while the "
+                "trainer scores the whole distribution, so the importance correction would discount every rollout; "
+                "set top_k=0"
+            )
         return problems
 
     def vllm(self) -> bool:
@@ -154,13 +153,21 @@ def grpo_kwargs(cfg: GRPORunConfig, output_dir: str) -> dict[str, Any]:
         "beta": cfg.kl_beta,
         "scale_rewards": "group",
         "temperature": cfg.temperature,
-        "top_k": cfg.top_k,
+        "top_k": cfg.sampling_top_k(cfg.vllm()),
     }
     if cfg.vllm():
         args.update(use_vllm=True, vllm_mode=cfg.vllm_mode)
-        if cfg.vllm_mode == "server":
-            args["vllm_server_base_url"] = cfg.vllm_server_base_url
     return args
+
+
+def generation_problem(cfg: GRPORunConfig, num_processes: int) -> str | None:
+    """Why this run's generation cannot work across `num_processes` ranks (None: it can)."""
+    if num_processes > 1 and cfg.deepspeed in ("zero3", "zero3_offload") and not cfg.vllm():
+        return (
+            "in-process generation under ZeRO-3 on several GPUs hangs: every forward gathers the sharded weights "
+            "collectively, and each rank's env loops generate a different number of tokens; use vLLM or zero2"
+        )
+    return None
 
 
 def env_draws(envs: list[HermesAgentBaseEnv]) -> Iterator[HermesAgentBaseEnv]:
@@ -232,6 +239,8 @@ def run_grpo(
     )  # fmt: skip
     if settings.device == "cpu":
         score_reference_in_bf16(trainer)
+    if problem := generation_problem(cfg, trainer.accelerator.num_processes):
+        raise ValueError(problem)
     screening = screen_into(trainer, cfg, agents, tasks, screened, run, resume) if cfg.screen_tasks else {}
     skipped = {}
     if resume is None and screening.get("kept") == 0:  # Only flat groups: step 1 would change no weight.

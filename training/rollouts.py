@@ -5,22 +5,33 @@ run by the env's `run_agent` (the same `HermesAgentLoop`, tools, sandbox, parser
 as `process` mode and evaluation) with `PolicyServer` standing in for the inference server: it
 generates with the policy being trained (in-process on CPU, TRL's vLLM engine on CUDA), each
 reply capped by the env's per-turn `max_token_length` and the run's `max_completion_length`.
-The conversation is tokenised with the env's own `tokenize_conversation`; its first assistant
-token starts the completion, and `env_mask` keeps only the model's tokens in the loss (tool
-results and user turns are context). The env's reward goes to the reward function as
-`env_reward`; an infra failure scores `None` (TRL drops it from the group's statistics), not 0.
+
+GRPO trains on the tokens the policy sampled, never a re-tokenisation of the decoded conversation
+(re-tokenising changes ids at turn boundaries and inside tool calls: the KL and the importance
+ratio then compare other tokens). Each rollout keeps a `Trajectory`: its first prompt, each turn's
+sampled ids with their log-probs, and between turns only the template's tokens for what the env
+added (tool results, the next generation prompt), cut from a rendering of the conversation the
+way TRL's own tool loop does; the next turn is generated from exactly those ids. `env_mask`
+keeps only sampled tokens in the loss. A chat template that does not render a conversation's
+prefix as a prefix of the whole cannot be spliced; such a rollout falls back to the env's
+`tokenize_conversation` with unknown log-probs (NaN: no importance correction), counted as
+`retokenized`. The env's reward goes to the reward function as `env_reward`; an infra failure
+scores `None` (TRL drops it from the group's statistics), not 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import gc
 import json
+import logging
+import math
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,16 +39,52 @@ from flywheel.data.costs import return_free_heap
 from flywheel.environments.agent.messages import messages_with_dict_arguments
 from flywheel.environments.hermes_base_env import HermesAgentBaseEnv
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class _Request:
-    """One reply to generate on vLLM; `new` is filled by whichever thread serves its batch."""
+    """One reply to generate on vLLM; `new` (and its log-probs) is filled by whichever thread serves its batch."""
 
     prompt_ids: list[int]
     temperature: float
     max_new: int
     new: list[int] | None = None
+    logprobs: list[float] | None = None
     error: BaseException | None = None
+
+
+@dataclass
+class Trajectory:
+    """The token ids one rollout's policy saw and sampled (see the module docstring).
+
+    `completion_ids` holds every turn's sampled ids and, between turns, the template's tokens for
+    what the env added; `mask` is 1 on sampled tokens, `logprobs` their sampling log-probs (NaN
+    where the generator gave none, 0.0 on spliced tokens); `turns` counts the sampled replies. A
+    call whose conversation does not continue this one (the env's LLM judge, say) is not part of
+    it. `exact` turns False when a turn could not be spliced onto the ids before it.
+    """
+
+    prompt_ids: list[int] = field(default_factory=list)
+    completion_ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)  # The conversation of the last call.
+    turns: int = 0
+    exact: bool = True
+
+    def covers(self, result: Any) -> bool:
+        """Whether these are the tokens of `result`'s conversation: one sampled reply per assistant turn."""
+        replies = sum(message["role"] == "assistant" for message in result.messages or [])
+        return self.exact and self.turns > 0 and self.turns == replies
+
+    def add(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
+        self.completion_ids += ids
+        self.mask += [int(sampled)] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [math.nan if sampled else 0.0] * len(ids)
+
+
+_TRAJECTORY: contextvars.ContextVar[Trajectory | None] = contextvars.ContextVar("flywheel_trajectory", default=None)
 
 
 # In-process generation uses transformers' continuous batching (the engine `transformers serve` runs):
@@ -66,13 +113,20 @@ class PolicyServer:
     """
 
     def __init__(
-        self, model: Callable[[], Any], tokenizer: Any, top_k: int, max_new_tokens: int, vllm: Any = None
+        self,
+        model: Callable[[], Any],
+        tokenizer: Any,
+        top_k: int,
+        max_new_tokens: int,
+        vllm: Any = None,
+        device: Any = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.top_k = top_k
         self.max_new_tokens = max_new_tokens
         self.vllm = vllm
+        self.device = device  # The rank's device: vLLM generates on it from a worker thread.
         self._model_lock = threading.Lock()  # One vLLM generate at a time.
         self._queue_lock = threading.Lock()
         self._queue: list[_Request] = []
@@ -90,6 +144,7 @@ class PolicyServer:
             trainer.args.top_k,
             max_new_tokens,
             vllm=trainer.vllm_generation if getattr(trainer, "use_vllm", False) else None,
+            device=trainer.accelerator.device,
         )
 
     def __enter__(self) -> PolicyServer:
@@ -116,21 +171,60 @@ class PolicyServer:
             self.model().forward, self._autocast_forward = self._autocast_forward, None
 
     async def chat_completion(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
-        prompt = self.tokenizer.apply_chat_template(
-            messages_with_dict_arguments(messages), tools=kwargs.get("tools") or None,
-            tokenize=False, add_generation_prompt=True,
-        )  # fmt: skip
-        prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        messages = messages_with_dict_arguments(messages)
+        tools = kwargs.get("tools") or None
+        trajectory = _TRAJECTORY.get()
+        prompt_ids, continues = self._prompt_ids(messages, tools, trajectory)
         max_new = min(int(kwargs.get("max_tokens") or self.max_new_tokens), self.max_new_tokens)
         temperature = float(kwargs.get("temperature", 1.0))
+        logprobs = None
         if self.vllm is not None:
-            new = await asyncio.to_thread(self._generate_on_vllm, _Request(prompt_ids, temperature, max_new))
+            request = _Request(prompt_ids, temperature, max_new)
+            new = await asyncio.to_thread(self._generate_on_vllm, request)
+            logprobs = request.logprobs
         else:
             new = await self._generate_paged(prompt_ids, temperature, max_new)
+        if trajectory is not None and continues:
+            trajectory.add(new, sampled=True, logprobs=logprobs)
+            trajectory.messages, trajectory.turns = messages, trajectory.turns + 1
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         message = SimpleNamespace(role="assistant", content=text, tool_calls=None)
         usage = SimpleNamespace(prompt_tokens=len(prompt_ids), completion_tokens=len(new))
         return SimpleNamespace(choices=[SimpleNamespace(message=message, finish_reason="stop")], usage=usage)
+
+    def _render(self, messages: list[dict[str, Any]], tools: Any, generation_prompt: bool) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _prompt_ids(
+        self, messages: list[dict[str, Any]], tools: Any, trajectory: Trajectory | None
+    ) -> tuple[list[int], bool]:
+        """The ids to generate from, and whether the call continues the rollout's trajectory: the
+        rendered conversation on a first turn (or outside a rollout, or for another conversation);
+        on a later turn the trajectory's ids so far plus the template's tokens for what the env added
+        since the last reply. The conversation so far renders, trimmed after its last end-of-turn
+        token, as a prefix of the whole; what follows it is the splice (TRL's tool loop does the same)."""
+        full = self._render(messages, tools, generation_prompt=True)
+        if trajectory is None or not trajectory.exact:
+            return full, trajectory is not None
+        if not trajectory.prompt_ids:
+            trajectory.prompt_ids = full
+            return full, True
+        seen = len(trajectory.messages)
+        if len(messages) <= seen or messages[:seen] != trajectory.messages or messages[seen]["role"] != "assistant":
+            return full, False  # Another conversation (the env's judge): not the agent's turn.
+        before = self._render(messages[: seen + 1], tools, generation_prompt=False)
+        ends = [i for i, token in enumerate(before) if token == self.tokenizer.eos_token_id]
+        before = before[: ends[-1] + 1] if ends else before
+        if full[: len(before)] != before:
+            logger.warning("the chat template does not render a conversation's prefix as a prefix of the whole: "
+                           "the rollout is re-tokenised, its sampling log-probs unknown")  # fmt: skip
+            trajectory.exact = False
+            return full, True
+        trajectory.add(full[len(before) :], sampled=False)
+        return trajectory.prompt_ids + trajectory.completion_ids, True
 
     async def _generate_paged(self, prompt_ids: list[int], temperature: float, max_new: int) -> list[int]:
         """One reply from the continuous-batching manager, ending at its first end-of-sequence token."""
@@ -191,6 +285,7 @@ class PolicyServer:
         return manager
 
     def _generate_on_vllm(self, request: _Request) -> list[int]:
+        _bind_thread_to(self.device)
         with self._queue_lock:
             self._queue.append(request)
         with self._model_lock:
@@ -207,13 +302,24 @@ class PolicyServer:
         for temperature in sorted({r.temperature for r in requests}):
             batch = [r for r in requests if r.temperature == temperature]
             try:
-                outputs = [list(ids) for ids in self.vllm.generate([r.prompt_ids for r in batch], None, 1)[1]]
+                _, outputs, logprobs, _ = self.vllm.generate([r.prompt_ids for r in batch], None, 1)
             except BaseException as error:  # Every request of the batch fails with it, none silently empty.
                 for request in batch:
                     request.error = error
                 continue
-            for request, new in zip(batch, outputs, strict=True):
-                request.new = new[: request.max_new]
+            logprobs = logprobs or [None] * len(batch)
+            for request, new, sampled in zip(batch, outputs, logprobs, strict=True):
+                request.new = list(new)[: request.max_new]
+                if sampled is not None:  # Per token, the sampled token's first: TRL asks vLLM for no more.
+                    request.logprobs = [math.nan if lp[0] is None else lp[0] for lp in sampled][: request.max_new]
+
+
+def _bind_thread_to(device: Any) -> None:
+    """CUDA's current device is per thread, and a worker thread starts on cuda:0 whatever the rank's."""
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
 
 
 def _up_to_first(tokens: list[int], stops: set[int]) -> list[int]:
@@ -242,7 +348,7 @@ def prompt_key(prompt: list[dict[str, Any]]) -> str:
     return json.dumps(prompt, sort_keys=True, ensure_ascii=False)
 
 
-Outcome = tuple[Any, float | None]  # An agent result and its reward (None: an infra failure).
+Outcome = tuple[Any, float | None, Trajectory]  # An agent result, its reward (None: an infra failure), its tokens.
 
 
 def agent_rollout_func(
@@ -264,27 +370,54 @@ def agent_rollout_func(
         with PolicyServer.of_trainer(trainer, max_completion_length) as server:
             fresh = iter(asyncio.run(run_rollouts(to_roll, server, temperature)) if to_roll else [])
         outcomes = [r if r is not None else next(fresh) for r in reused]
-        stops = set(getattr(trainer, "eos_token_ids", None) or [trainer.processing_class.eos_token_id])
-        out: dict[str, Any] = {k: [] for k in ("prompt_ids", "completion_ids", "env_mask")}
-        out |= {"env_reward": [], "task_completed": [], "turns_used": []}
-        for task, (result, reward) in zip(batch, outcomes, strict=True):
-            schemas, _ = task.env._resolve_tools_for_group()
-            messages = result.messages if result.messages else task.env.build_messages(task.item, schemas)
-            tokens, masks = task.env.tokenize_conversation(messages, schemas)
-            start = next((i for i, m in enumerate(masks) if m != -100), len(tokens))
-            completion = tokens[start:][:max_completion_length] or [trainer.processing_class.eos_token_id]
-            mask = [int(m != -100) for m in masks[start:][:max_completion_length]] or [0]
-            completion, mask = _end_at_last_eos(completion, mask, stops)
-            out["prompt_ids"].append(tokens[:start])
+        eos = trainer.processing_class.eos_token_id
+        stops = set(getattr(trainer, "eos_token_ids", None) or [eos])
+        out: dict[str, Any] = {k: [] for k in ("prompt_ids", "completion_ids", "env_mask", "logprobs")}
+        out |= {"env_reward": [], "task_completed": [], "turns_used": [], "retokenized": []}
+        for task, (result, reward, trajectory) in zip(batch, outcomes, strict=True):
+            exact = trajectory.covers(result)
+            prompt, completion, mask, logprobs = (
+                _sampled(trajectory, max_completion_length) if exact else
+                _retokenized(task, result, max_completion_length, stops, eos)
+            )  # fmt: skip
+            out["prompt_ids"].append(prompt)
             out["completion_ids"].append(completion)
             out["env_mask"].append(mask)
+            out["logprobs"].append(logprobs)
             out["env_reward"].append(reward)
             out["task_completed"].append(result.task_completed)
             out["turns_used"].append(result.turns_used)
-        out["logprobs"] = None  # Recomputed by the trainer from the policy.
+            out["retokenized"].append(not exact)
+        if not getattr(trainer, "use_vllm", False):
+            out["logprobs"] = None  # Without vLLM the trainer scores the old policy itself (no correction).
         return out
 
     return rollout
+
+
+def _sampled(trajectory: Trajectory, limit: int) -> tuple[list[int], list[int], list[int], list[float]]:
+    """The rollout as sampled: prompt, completion (sampled turns and splices), mask, log-probs."""
+    return (
+        trajectory.prompt_ids,
+        trajectory.completion_ids[:limit],
+        trajectory.mask[:limit],
+        trajectory.logprobs[:limit],
+    )
+
+
+def _retokenized(
+    task: Task, result: Any, limit: int, stops: set[int], eos: int
+) -> tuple[list[int], list[int], list[int], list[float]]:
+    """A rollout that could not be spliced (or never generated): its conversation through the env's
+    `tokenize_conversation`, with unknown sampling log-probs."""
+    schemas, _ = task.env._resolve_tools_for_group()
+    messages = result.messages if result.messages else task.env.build_messages(task.item, schemas)
+    tokens, masks = task.env.tokenize_conversation(messages, schemas)
+    start = next((i for i, m in enumerate(masks) if m != -100), len(tokens))
+    completion = tokens[start:][:limit] or [eos]
+    mask = [int(m != -100) for m in masks[start:][:limit]] or [0]
+    completion, mask = _end_at_last_eos(completion, mask, stops)
+    return tokens[:start], completion, mask, [math.nan] * len(completion)
 
 
 def _pop_screened(
@@ -312,6 +445,9 @@ async def run_rollouts(batch: list[Task], server: PolicyServer, temperature: flo
 
     async def one(task: Task) -> Outcome:
         task.env.server = server
-        return await task.env.run_agent(task.item, temperature)
+        trajectory = Trajectory()
+        _TRAJECTORY.set(trajectory)  # This task's context: its generation calls find it.
+        result, reward = await task.env.run_agent(task.item, temperature)
+        return result, reward, trajectory
 
     return await asyncio.gather(*(one(task) for task in batch))

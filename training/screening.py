@@ -99,7 +99,7 @@ def screen_tasks(
 
 def _record(found: Screening, task: Task, group: list[Outcome], drop_after: int) -> None:
     stats = found.slices[slice_of(task)]
-    rewards = [reward for _, reward in group if reward is not None]
+    rewards = [reward for _, reward, _ in group if reward is not None]
     stats.groups += 1
     stats.rewards.extend(rewards)
     if len(set(rewards)) > 1:

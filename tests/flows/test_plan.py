@@ -42,8 +42,12 @@ def test_the_h100_plan_has_no_cpu_setting() -> None:
         assert stage["dtype"] == "bfloat16" and args["deepspeed"].endswith("zero3.json"), name
         assert stage["launch"][:4] == ["accelerate", "launch", "--num_processes", "8"], name
     assert plan["stages"]["rl"]["trainer_args"]["use_vllm"] and plan["stages"]["rl"]["generation"] == "vllm colocate"
-    command = plan["stages"]["evaluate"]["server"]["command"]
-    assert command[:2] == ["vllm", "serve"] and command[command.index("--data-parallel-size") + 1] == "8"
+    for name in ("generate", "evaluate"):  # Every stage that serves on vLLM is on the GPU pool.
+        stage = plan["stages"][name]
+        command = stage["server"]["command"]
+        assert stage["pool"] == "h100" and stage["gpus"] == 8, name
+        assert command[:2] == ["vllm", "serve"] and command[command.index("--data-parallel-size") + 1] == "8"
+        assert command[command.index("--served-model-name") + 1] == "Qwen2.5-1.5B-Instruct"
     assert "bfloat16" in command and not any("transformers" in s for s in _strings(plan["stages"]))
 
 

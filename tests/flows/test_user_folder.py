@@ -40,7 +40,7 @@ def user_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (folder / "data.py").write_text("raise SystemExit('the user data.py was imported')\n")
     (folder / "training" / "__init__.py").write_text("MARK = 'mine'\n")  # The env imports its own `training`.
     env_source = Path(file_stats_env.__file__).read_text()
-    (folder / "my_env.py").write_text(f"from training import MARK\nassert MARK == 'mine'\n{env_source}")
+    (folder / "my_env.py").write_text(f"{env_source}\nfrom training import MARK\n\nassert MARK == 'mine'\n")
     tasks = folder / "my_tasks"
     tasks.mkdir()
     rows = "".join(json.dumps({"question": f"Say {w}.", "answer": w}) + "\n" for w in ("hi", "yo", "ok"))

@@ -98,11 +98,14 @@ def test_grpo_improves_a_toy_reward(tiny_model: Path, tmp_path: Path, request: p
 class ScriptedPolicy:
     """Stands in for transformers' continuous-batching manager: each request's reply is
     `reply(conversation so far)` (everything else, the env loop, tools, verifier and the trainer, is
-    real). Records the prompts asked for and the most requests that were in flight at once."""
+    real). Records the prompts asked for, what it generated for each, and the most requests that were
+    in flight at once. `encode` turns a reply into token ids (default: the tokenizer's own encoding)."""
 
-    def __init__(self, tokenizer, reply) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, tokenizer, reply, encode=None) -> None:  # type: ignore[no-untyped-def]
         self.tokenizer, self.reply = tokenizer, reply
+        self.encode = encode or (lambda text: tokenizer.encode(text, add_special_tokens=False))
         self.prompts: list[list[int]] = []
+        self.generated: list[tuple[list[int], list[int]]] = []
         self.in_flight = self.most_in_flight = 0
         self.handlers: dict[str, object] = {}
 
@@ -121,8 +124,9 @@ class ScriptedPolicy:
         self.prompts.append(list(input_ids))
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        text = self.reply(self.tokenizer.decode(input_ids)) + "<|im_end|>"
-        tokens = self.tokenizer.encode(text, add_special_tokens=False)[:max_new_tokens]
+        text = self.reply(self.tokenizer.decode(input_ids))
+        tokens = [*self.encode(text), self.tokenizer.eos_token_id][:max_new_tokens]
+        self.generated.append((list(input_ids), tokens))
         output = GenerationOutput(request_id, list(input_ids), tokens, status=RequestStatus.FINISHED)
         callback, loop = self.handlers.pop(request_id)
 
@@ -278,21 +282,23 @@ def test_grpo_does_not_train_when_screening_finds_no_signal(
     assert stored.keys() == before.keys() and all(torch.equal(stored[k], before[k]) for k in before)
 
 
-def test_grpo_vllm_generation_server_command(tiny_model: Path) -> None:
-    from flywheel.inference import ServerConfig, build_command
-    from flywheel.training.grpo import GRPO_VLLM_SERVER_ARGS, GRPO_VLLM_SERVER_ENV
+def test_grpo_on_vllm_is_configured_for_what_vllm_can_do() -> None:
+    """Colocate only, top-k off (vLLM's processed log-probs would bias the correction), and ZeRO-3 refused
+    for in-process generation on several ranks (its collective forwards hang)."""
+    from flywheel.training.grpo import generation_problem, grpo_kwargs
 
-    config = ServerConfig(model=str(tiny_model), backend="vllm", tool_call_parser=None, tensor_parallel_size=2,
-                          extra_args=GRPO_VLLM_SERVER_ARGS, env=GRPO_VLLM_SERVER_ENV)  # fmt: skip
-    command = build_command(config, 8000)
-    assert command[:2] == ["vllm", "serve"] and "--enable-auto-tool-choice" not in command
-    assert command[-6:] == GRPO_VLLM_SERVER_ARGS and config.env == {"VLLM_SERVER_DEV_MODE": "1"}
-    from flywheel.training.grpo import grpo_kwargs
-
-    args = grpo_kwargs(GRPORunConfig(device="cuda", use_vllm=True, vllm_mode="server",
-                                   vllm_server_base_url="http://127.0.0.1:8000"), "/tmp/x")  # fmt: skip
-    assert args["use_vllm"] and args["vllm_mode"] == "server" and args["bf16"] and "use_cpu" not in args
-    assert args["vllm_server_base_url"] == "http://127.0.0.1:8000" and args["beta"] == 0.04
+    args = grpo_kwargs(GRPORunConfig(device="cuda", use_vllm=True), "/tmp/x")
+    assert args["use_vllm"] and args["vllm_mode"] == "colocate" and args["bf16"] and "use_cpu" not in args
+    assert args["top_k"] == 0 and grpo_kwargs(GRPORunConfig(device="cpu"), "/tmp/x")["top_k"] == 10
+    assert "vllm_importance_sampling_correction" not in args  # TRL's default: on.
+    with pytest.raises(ValueError, match="top_k=10 with vLLM"):
+        GRPORunConfig(device="cuda", top_k=10)
+    with pytest.raises(ValueError, match="vllm_mode"):
+        GRPORunConfig(device="cuda", top_k=0, vllm_mode="server")
+    zero3 = GRPORunConfig(device="cuda", use_vllm=False, deepspeed="zero3")
+    assert "hangs" in generation_problem(zero3, num_processes=2)
+    assert generation_problem(zero3, num_processes=1) is None
+    assert generation_problem(zero3.model_copy(update={"use_vllm": True, "top_k": 0}), num_processes=8) is None
 
 
 def test_grpo_draws_each_env_by_its_curriculum_share(tiny_model: Path) -> None:
@@ -410,3 +416,84 @@ def test_the_kl_reference_scores_in_bf16_under_bf16_autocast(tiny_model: Path, a
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         scored, fp32 = (m(ids).logits.float().log_softmax(-1) for m in (ref, policy))
     assert (scored - fp32).abs().max() < 0.05
+
+
+def assert_trained_as_sampled(trained: list[dict], generated: list[tuple[list[int], list[int]]]) -> int:
+    """Every rollout trains on the ids the generator sampled: each run of loss tokens in a completion
+    is one generation whose prompt was exactly the rollout's ids before it (the first prompt, earlier
+    replies and the spliced tool results). Returns how many rollouts had more than one turn."""
+    by_prompt = {tuple(prompt): tokens for prompt, tokens in generated}
+    multi_turn = 0
+    for batch in trained:
+        for prompt, completion, mask in zip(
+            batch["prompt_ids"], batch["completion_ids"], batch["env_mask"], strict=True
+        ):
+            starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
+            assert starts and starts[0] == 0, "a completion starts with the policy's first reply"
+            for start in starts:
+                end = next((i for i in range(start, len(mask)) if not mask[i]), len(mask))
+                sampled = by_prompt.get(tuple(prompt + completion[:start]))
+                assert sampled is not None, "this turn was generated from other ids than the trained ones"
+                assert completion[start:end] == sampled[: end - start]
+            multi_turn += len(starts) > 1
+    return multi_turn
+
+
+def test_grpo_trains_on_the_sampled_tokens_not_a_retokenisation(tiny_model: Path) -> None:
+    """The policy's tool calls come out in a tokenisation the tokenizer would never produce (one
+    token per character): re-tokenising the decoded conversation would train on other ids."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+
+    def per_char(text: str) -> list[int]:
+        return [token for char in text for token in tokenizer.encode(char, add_special_tokens=False)]
+
+    scripted = ScriptedPolicy(tokenizer, _count_lines_like_the_oracle, encode=per_char)
+    model.init_continuous_batching = lambda **_: scripted
+    env = env_class("file_stats")(tokenizer_name=str(tiny_model))
+    asyncio.run(env.setup())
+    env.tokenizer = tokenizer
+    _, tasks = task_dataset([env], 2)
+    trainer = SimpleNamespace(
+        model=model, processing_class=tokenizer, args=SimpleNamespace(top_k=0), state=SimpleNamespace(global_step=1),
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m, device=torch.device("cpu")), use_vllm=False,
+    )  # fmt: skip
+    rollout = agent_rollout_func(tasks, 0.7, 400)
+    out = rollout([json.loads(key) for key in tasks], trainer)
+    assert out["retokenized"] == [False, False] and out["logprobs"] is None  # No vLLM: TRL scores the old policy.
+    assert assert_trained_as_sampled([out], scripted.generated) == 2  # Both rollouts: three turns, two splices.
+    decoded = tokenizer.decode(out["completion_ids"][0])
+    assert decoded.count("<tool_response>") == 2 and "wc -l notes.txt" in decoded
+    retokenized = tokenizer(decoded, add_special_tokens=False)["input_ids"]
+    assert retokenized != out["completion_ids"][0]  # What re-tokenising would have trained on instead.
+
+
+def test_vllm_generates_on_the_ranks_own_device_from_its_worker_thread(tiny_model: Path, monkeypatch) -> None:
+    """CUDA's current device is per thread: the thread that serves vLLM's batch binds to the rank's device
+    (unbound, ranks 1-7 would all generate on cuda:0)."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    bound: list[tuple[bool, str]] = []
+    monkeypatch.setattr(
+        torch.cuda,
+        "set_device",
+        lambda d: bound.append((threading.current_thread() is threading.main_thread(), str(d))),
+    )
+
+    class Engine:  # TRL's `VLLMGeneration.generate` surface: prompt ids, completion ids, log-probs, their token ids.
+        def generate(self, prompts, images, n):  # type: ignore[no-untyped-def]
+            return prompts, [[tokenizer.eos_token_id]] * len(prompts), [[[-0.25]]] * len(prompts), None
+
+    server = PolicyServer(
+        lambda: None, tokenizer, top_k=0, max_new_tokens=4, vllm=Engine(), device=torch.device("cuda:3")
+    )
+    reply = asyncio.run(server.chat_completion([{"role": "user", "content": "Hi"}], temperature=1.0))
+    assert reply.usage.completion_tokens == 1
+    assert bound == [(False, "cuda:3")]

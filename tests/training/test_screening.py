@@ -35,9 +35,9 @@ def _scripted(seed: int = 0) -> tuple[Any, Any, list[int]]:
         index = next(drawn)
         return _task(index, ("easy", "medium", "hard")[index % 3])
 
-    def roll(batch: list[Task]) -> list[tuple[Any, float]]:
+    def roll(batch: list[Task]) -> list[tuple[Any, float, None]]:
         rolled.append(len(batch))
-        return [(None, float(rng.random() < SOLVE_RATE[t.item["difficulty"]])) for t in batch]
+        return [(None, float(rng.random() < SOLVE_RATE[t.item["difficulty"]]), None) for t in batch]
 
     return draw, roll, rolled
 
@@ -46,7 +46,7 @@ def test_screening_keeps_only_groups_with_differing_rewards_and_drops_flat_slice
     draw, roll, rolled = _scripted()
     found = screen_tasks(draw, roll, group_size=4, needed=6, budget=40)
     assert len(found.kept) == 6
-    assert all(len({r for _, r in group}) > 1 for _, group in found.kept)
+    assert all(len({r for _, r, _ in group}) > 1 for _, group in found.kept)
     assert {slice_of(task) for task, _ in found.kept} == {"web/lookup/medium"}
     slices = found.summary()["slices"]
     # Always solved and never solved: two flat groups each, then never rolled again.
@@ -58,9 +58,15 @@ def test_screening_keeps_only_groups_with_differing_rewards_and_drops_flat_slice
 
 
 def test_a_slice_that_ever_varied_is_never_dropped() -> None:
-    groups = iter([[(None, 0.0), (None, 1.0)], *[[(None, 1.0), (None, 1.0)]] * 5, [(None, 0.0), (None, 1.0)]])
+    groups = iter(
+        [
+            [(None, 0.0, None), (None, 1.0, None)],
+            *[[(None, 1.0, None), (None, 1.0, None)]] * 5,
+            [(None, 0.0, None), (None, 1.0, None)],
+        ]
+    )
 
-    def roll(batch: list[Task]) -> list[tuple[Any, float]]:
+    def roll(batch: list[Task]) -> list[tuple[Any, float, None]]:
         return [outcome for _ in range(len(batch) // 2) for outcome in next(groups)]
 
     found = screen_tasks(lambda: _task(0, "medium"), roll, group_size=2, needed=2, budget=7)
@@ -71,9 +77,9 @@ def test_a_slice_that_ever_varied_is_never_dropped() -> None:
 def test_screening_stops_at_its_budget_when_nothing_is_learnable() -> None:
     rolled: list[int] = []
 
-    def roll(batch: list[Task]) -> list[tuple[Any, float]]:
+    def roll(batch: list[Task]) -> list[tuple[Any, float, None]]:
         rolled.append(len(batch))
-        return [(None, 0.0)] * len(batch)
+        return [(None, 0.0, None)] * len(batch)
 
     found = screen_tasks(lambda: _task(0, "hard"), roll, group_size=2, needed=4, budget=10)
     assert found.kept == [] and len(found.flat) == 4  # One batch of 4, all flat: the slice is dropped...
@@ -83,7 +89,7 @@ def test_screening_stops_at_its_budget_when_nothing_is_learnable() -> None:
 
 
 def test_screening_counts_only_scored_rollouts() -> None:
-    outcomes = iter([[(None, None), (None, 1.0)], [(None, 0.0), (None, 1.0)]])
+    outcomes = iter([[(None, None, None), (None, 1.0, None)], [(None, 0.0, None), (None, 1.0, None)]])
     found = screen_tasks(lambda: _task(0, "medium"), lambda batch: next(outcomes), group_size=2, needed=1, budget=5)
     assert len(found.flat) == 1 and len(found.kept) == 1  # One scored rollout shows no variance: flat.
     assert found.summary()["slices"]["web/lookup/medium"]["mean_reward"] == 2 / 3  # The infra failure left out.
