@@ -39,7 +39,7 @@ def round_plan(config: RoundConfig, profile: str | None = None) -> dict[str, Any
     ):
         stages[name] |= {
             "trainer": trainer,
-            "dtype": settings.dtype,
+            "dtype": settings.model_kwargs()["dtype"],
             "attn_implementation": settings.attn_implementation,
             "config": cfg.model_dump(mode="json"),
             "trainer_args": kwargs,

@@ -24,6 +24,7 @@ from flywheel.data import ArtifactStore, Manifest
 from flywheel.data.curation import preference_pair
 from flywheel.training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
 from flywheel.training.config import RunnerConfig
+from flywheel.training.device import one_gpu_per_process
 from flywheel.training.models import resolve_model
 from flywheel.training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
 
@@ -117,7 +118,7 @@ def run_dpo(
     trainer = DPOTrainer(
         model=model,
         ref_model=AutoModelForCausalLM.from_pretrained(ref, **settings.model_kwargs()) if ref else None,
-        args=DPOConfig(**cfg.trainer_kwargs(run.checkpoints), beta=max(cfg.kl_beta, 1e-3)),
+        args=one_gpu_per_process(DPOConfig(**cfg.trainer_kwargs(run.checkpoints), beta=max(cfg.kl_beta, 1e-3))),
         train_dataset=Dataset.from_dict(render_pairs(tokenizer, pairs)),
         processing_class=tokenizer,
         callbacks=[MetricsCallback(run), NonFiniteGuard(), StepCheckpoints(store, cfg, parents), *(callbacks or [])],

@@ -31,6 +31,7 @@ from flywheel.environments.registry import categories_of, env_class
 from flywheel.environments.task_stream import weighted_round_robin
 from flywheel.training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
 from flywheel.training.config import RunnerConfig
+from flywheel.training.device import one_gpu_per_process
 from flywheel.training.models import resolve_model
 from flywheel.training.rollouts import Outcome, PolicyServer, Task, agent_rollout_func, prompt_key, run_rollouts
 from flywheel.training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
@@ -141,7 +142,7 @@ def grpo_args(cfg: GRPORunConfig, output_dir: str) -> Any:
     """TRL `GRPOConfig` from the runner knobs."""
     from trl import GRPOConfig
 
-    return GRPOConfig(**grpo_kwargs(cfg, output_dir))
+    return one_gpu_per_process(GRPOConfig(**grpo_kwargs(cfg, output_dir)))
 
 
 def grpo_kwargs(cfg: GRPORunConfig, output_dir: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,8 +20,8 @@ from flywheel.data import ArtifactStore, Manifest
 from flywheel.data.store import STORE_ENV
 from flywheel.training.config import DEEPSPEED_DIR, TrainConfig
 
-# The `flywheel train` subcommand of each algorithm.
 logger = logging.getLogger(__name__)
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 
 
 class LaunchError(RuntimeError):
@@ -55,7 +56,8 @@ def launch_command(
     """The `accelerate launch` argv that trains `cfg` (saved as `config_file`, plus `key=value` overrides)
     on `num_gpus` GPUs, sharded as it says (ZeRO, FSDP or plain DDP), saving into `store_url` (None: the
     launched process's own default); pure: nothing runs."""
-    command = ["accelerate", "launch", "--num_processes", str(num_gpus), "--num_machines", "1"]
+    # Accelerate of this interpreter, never whatever `accelerate` is first on PATH (a worker's venv is not activated).
+    command = [*ACCELERATE, "--num_processes", str(num_gpus), "--num_machines", "1"]
     if cfg.deepspeed:
         command += [
             "--config_file",

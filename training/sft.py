@@ -23,6 +23,7 @@ from pydantic import Field
 from flywheel.data import ArtifactStore, Manifest
 from flywheel.training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
 from flywheel.training.config import TrainConfig
+from flywheel.training.device import one_gpu_per_process
 from flywheel.training.models import TRAINING_TEMPLATE_FILE, resolve_model
 from flywheel.training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
 
@@ -118,7 +119,7 @@ def trainer_args(cfg: SFTRunConfig, output_dir: Path) -> Any:
     """TRL `SFTConfig` for the run's device (TRL's defaults are GPU ones)."""
     from trl import SFTConfig
 
-    return SFTConfig(**sft_kwargs(cfg, output_dir))
+    return one_gpu_per_process(SFTConfig(**sft_kwargs(cfg, output_dir)))
 
 
 def sft_kwargs(cfg: SFTRunConfig, output_dir: Path | str) -> dict[str, Any]:

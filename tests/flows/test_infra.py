@@ -65,7 +65,7 @@ def test_deployment_files_deploy_every_stage_on_its_pool(path: Path) -> None:
     deployments = {(d["entrypoint"].rsplit(":", 1)[1], d["name"]): d for d in spec["deployments"]}
     stages = [d for d in spec["deployments"] if d["name"] == "stage"]
     listed = [(d["entrypoint"], d["work_pool"]["name"], "gpu" in d["tags"]) for d in stages]
-    record = [(f"flows/stages.py:{s.flow.fn.__name__}", s.pool, s.gpu) for s in STAGES.values()]
+    record = [(f"flywheel.flows.stages:{s.flow.fn.__name__}", s.pool, s.gpu) for s in STAGES.values()]
     assert listed == record, "the stage deployments must follow flows/stages.py's STAGES, in order"
     full = deployments[("flywheel", "full")]
     assert full["concurrency_limit"] == 1 and full["parameters"]["dispatch"] == "deployments"

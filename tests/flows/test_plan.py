@@ -13,6 +13,7 @@ from flywheel.flows.round_config import load_round_config, profile
 from flywheel.flows.stages import STAGES
 from flywheel.training.config import ConfigError
 from flywheel.training.device import cpu_computes_bf16
+from flywheel.training.launch import ACCELERATE
 
 
 def _strings(value: Any) -> list[str]:
@@ -39,8 +40,8 @@ def test_the_h100_plan_has_no_cpu_setting() -> None:
         stage = plan["stages"][name]
         args = stage["trainer_args"]
         assert "use_cpu" not in args and args["bf16"] and args["gradient_checkpointing"], name
-        assert stage["dtype"] == "bfloat16" and args["deepspeed"].endswith("zero3.json"), name
-        assert stage["launch"][:4] == ["accelerate", "launch", "--num_processes", "8"], name
+        assert stage["dtype"] == "float32" and args["deepspeed"].endswith("zero3.json"), name  # bf16: autocast.
+        assert stage["launch"][:5] == [*ACCELERATE, "--num_processes", "8"], name
     assert plan["stages"]["rl"]["trainer_args"]["use_vllm"] and plan["stages"]["rl"]["generation"] == "vllm colocate"
     for name in ("generate", "evaluate"):  # Every stage that serves on vLLM is on the GPU pool.
         stage = plan["stages"][name]
