@@ -221,8 +221,9 @@ def test_multi_gpu_dry_run_carries_every_override_and_the_store(tmp_path: Path) 
     assert result.returncode == 0, result.stderr
     command = result.stdout.split()
     assert command[:5] == [*ACCELERATE, "--num_processes", "2"]
-    assert command[command.index("-m") + 1 :] == ["flywheel.flows.cli", "--store", store, "train", "sft", "--config",
-                                                  SFT_CONFIG, "total_steps=5", "learning_rate=1e-4"]  # fmt: skip
+    cli = command[command.index("flywheel.flows.cli") :]
+    assert cli == ["flywheel.flows.cli", "--store", store, "train", "sft", "--config", SFT_CONFIG,
+                   "total_steps=5", "learning_rate=1e-4"]  # fmt: skip
 
 
 def test_verify_reports_then_cleans_staging_leftovers(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,7 +78,9 @@ def test_train_cli_dry_run_and_config_errors(tmp_path: Path) -> None:
 
     sft = str(CONFIGS[[p.name for p in CONFIGS].index("sft_h100_zero3.yaml")])
     dry = run("--store", str(tmp_path), "train", "sft", "--config", sft, "--gpus", "4", "--dry-run")
-    assert dry.returncode == 0 and dry.stdout.startswith("accelerate launch --num_processes 4"), dry.stderr
+    assert dry.returncode == 0 and dry.stdout.startswith(
+        f"{sys.executable} -m accelerate.commands.launch --num_processes 4"
+    ), dry.stderr
     bad = run("--store", str(tmp_path), "train", "rl", "--config", str(CONFIGS[0].with_name("grpo_tiny.yaml")),
               "kl_beta=0.001")  # fmt: skip
     assert_one_line_error(bad, "kl_beta=0.001 is below 0.01; raise it or set allow_low_kl=true")

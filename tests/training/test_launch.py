@@ -70,14 +70,14 @@ def test_launch_command_carries_every_override_and_the_store() -> None:
         SFTRunConfig(dataset="d"), "cfg.yaml", 2, ["total_steps=5", "learning_rate=1e-4"], "s3://bucket/runs"
     )
     assert command[:5] == [*ACCELERATE, "--num_processes", "2"] and "--multi_gpu" in command
-    cli = command[command.index("-m") + 1 :]
+    cli = command[command.index("flywheel.flows.cli") :]
     assert cli == ["flywheel.flows.cli", "--store", "s3://bucket/runs", "train", "sft", "--config", "cfg.yaml",
                    "total_steps=5", "learning_rate=1e-4"]  # fmt: skip
 
 
 def _run_launched_process(command: list[str]) -> subprocess.CompletedProcess[str]:
     """What each GPU's process runs: `python -m flywheel.flows.cli ...` (accelerate only adds the process group)."""
-    module = command[command.index("-m") :]
+    module = command[command.index("flywheel.flows.cli") - 1 :]
     return subprocess.run([sys.executable, *module], capture_output=True, text=True, timeout=120)
 
 
