@@ -22,6 +22,7 @@ from transformers import TrainerCallback
 
 from flywheel.data import ArtifactStore, Manifest
 from flywheel.training.config import TrainConfig
+from flywheel.training.distributed import from_rank_zero, is_main, wait_for_everyone
 from flywheel.training.models import TRAINING_TEMPLATE_FILE
 from flywheel.training.run_logs import NonFiniteError, RunDir
 
@@ -75,10 +76,15 @@ def resume_from(store: ArtifactStore, cfg: TrainConfig, run: RunDir) -> Path | N
     step = int(manifest.params["step"])
     if step >= cfg.total_steps:  # That run finished: a re-run trains afresh.
         return None
-    folder = store.get(manifest.id, run.checkpoints / f"checkpoint-{step}")
-    history = json.loads((folder / "trainer_state.json").read_text()).get("log_history", [])
-    for entry in history:
-        run.log_metrics(entry["step"], {k: v for k, v in entry.items() if k != "step" and isinstance(v, int | float)})
+    folder = run.checkpoints / f"checkpoint-{step}"
+    if is_main(local=True):  # One copy per machine, into the run folder its ranks share.
+        store.get(manifest.id, folder)
+    wait_for_everyone()
+    if is_main():
+        history = json.loads((folder / "trainer_state.json").read_text()).get("log_history", [])
+        for entry in history:
+            metrics = {k: v for k, v in entry.items() if k != "step" and isinstance(v, int | float)}
+            run.log_metrics(entry["step"], metrics)
     logger.info("resuming %s from its step-%d checkpoint", cfg.output_name, step)
     return folder
 
@@ -129,7 +135,10 @@ def finish(
     stopped: Exception | None = None,
     **metrics: Any,
 ) -> Manifest:
-    """Store the trained policy (or, after `stopped`, the last good step checkpoint) with the run's metrics."""
+    """Store the trained policy (or, after `stopped`, the last good step checkpoint) with the run's metrics:
+    once, by rank 0, after every rank took part in saving it (ZeRO-3 gathers the shards collectively);
+    every rank returns the stored manifest."""
+    main = trainer.is_world_process_zero()
     if stopped is None:
         folder = run.checkpoints / "final"
         trainer.save_model(str(folder))
@@ -138,7 +147,8 @@ def finish(
         if good is None:
             raise stopped
         folder = run.checkpoints / "last-good"
-        shutil.copytree(good, folder, ignore=shutil.ignore_patterns(*_TRAINER_STATE))
+        if main:
+            shutil.copytree(good, folder, ignore=shutil.ignore_patterns(*_TRAINER_STATE))
         metrics["stopped_early"] = f"{stopped} (stored the step-{good.name.rpartition('-')[2]} checkpoint)"
         logger.warning("%s: storing the last good checkpoint, %s", cfg.output_name, good.name)
     metrics |= {
@@ -147,9 +157,11 @@ def finish(
         "wall_seconds": round(time.perf_counter() - started, 1),
         "device": cfg.settings().device,
     }
-    manifest = store_checkpoint(store, folder, trainer.processing_class, run, cfg, model_dir, parents, metrics)
-    logger.info("%s %s: %s", cfg.algorithm, cfg.output_name, json.dumps(metrics, default=str))
-    return manifest
+    stored = None
+    if main:
+        stored = store_checkpoint(store, folder, trainer.processing_class, run, cfg, model_dir, parents, metrics).id
+        logger.info("%s %s: %s", cfg.algorithm, cfg.output_name, json.dumps(metrics, default=str))
+    return store.manifest(from_rank_zero(stored))
 
 
 def model_parents(store: ArtifactStore, spec: str, *more: str | None) -> list[str]:

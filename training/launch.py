@@ -5,6 +5,7 @@ whole group when the caller is interrupted, times out or is cancelled."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import signal
@@ -42,12 +43,28 @@ def run_logged(command: list[str], env: dict[str, str] | None = None, tail_lines
             tail.append(line.rstrip())
             logger.info("[%s] %s", Path(command[0]).name, line.rstrip())
         code = process.wait()
-    except BaseException:  # Timeout, cancellation (SIGTERM -> exception), Ctrl-C: take the whole group down.
-        os.killpg(process.pid, signal.SIGKILL)
+    except BaseException:  # Timeout, cancellation (SIGTERM -> exception), Ctrl-C: take every process down.
+        kill_tree(process.pid)
         process.wait()
         raise
     if code != 0:
         raise LaunchError(f"{' '.join(command[:4])} ... exited {code}:\n" + "\n".join(tail))
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid`, its process group and every process under it: torchrun starts each rank in a
+    session of its own, out of reach of the group's kill, and a killed launcher cannot pass it on."""
+    import psutil
+
+    try:
+        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        processes = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
 
 
 def launch_command(

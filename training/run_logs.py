@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
+
+from flywheel.training.distributed import from_rank_zero, launched
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +27,7 @@ class RunDir:
     """One run's folder: `logs/run-<date>-<time>-<name>/` with metrics, rollouts and checkpoints."""
 
     def __init__(self, root: Path | str = "logs", name: str = "train") -> None:
-        stamp = datetime.now(UTC).strftime("%Y-%m-%d-%H%M%S")
+        stamp = from_rank_zero(datetime.now(UTC).strftime("%Y-%m-%d-%H%M%S"))  # One folder for every rank.
         self.path = Path(root) / f"run-{stamp}-{name}"
         for sub in ("rollouts", "checkpoints"):
             (self.path / sub).mkdir(parents=True, exist_ok=True)
@@ -44,7 +47,8 @@ class RunDir:
 
     def log_rollouts(self, step: int, samples: list[dict[str, Any]]) -> None:
         """Sampled rollouts of a step, for periodic human review of rollouts."""
-        path = self.rollouts / f"step-{step:06d}.jsonl"
+        rank = f"-rank{os.environ.get('RANK', 0)}" if launched() else ""  # Each rank rolls out its own share.
+        path = self.rollouts / f"step-{step:06d}{rank}.jsonl"
         path.write_text("".join(json.dumps(s, ensure_ascii=False, default=str) + "\n" for s in samples))
 
     def read_metrics(self) -> list[dict[str, Any]]:
@@ -60,7 +64,7 @@ class MetricsCallback(TrainerCallback):
         self.run = run
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        if logs:
+        if logs and state.is_world_process_zero:
             self.run.log_metrics(state.global_step, {k: v for k, v in logs.items() if isinstance(v, int | float)})
 
 

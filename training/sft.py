@@ -166,7 +166,7 @@ def run_sft(cfg: SFTRunConfig, store: ArtifactStore, callbacks: list[Any] | None
     )
     stopped = train(trainer, resume_from(store, cfg, run))
     losses = [m["loss"] for m in run.read_metrics() if "loss" in m]
-    per_step = cfg.batch_size * cfg.gradient_accumulation_steps
+    per_step = cfg.batch_size * cfg.gradient_accumulation_steps * trainer.args.world_size
     tokens = sum(len(ids) for ids in data["input_ids"]) * cfg.total_steps * per_step // max(1, len(data))
     return finish(
         store, trainer, run, cfg, model_dir, parents, started, stopped,
@@ -175,5 +175,5 @@ def run_sft(cfg: SFTRunConfig, store: ArtifactStore, callbacks: list[Any] | None
         train_examples=len(data),
         left_out_examples=len(rows) - len(data),
         tokens_processed=tokens,
-        device_count=max(1, torch.cuda.device_count()) if settings.device == "cuda" else 1,
+        device_count=trainer.args.world_size,  # One process per device.
     )  # fmt: skip

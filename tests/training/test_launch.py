@@ -36,7 +36,11 @@ def test_a_failed_launch_raises_with_its_last_lines() -> None:
 
 
 def test_an_interrupted_caller_kills_the_whole_process_group(caplog: pytest.LogCaptureFixture) -> None:
-    child = "import subprocess, time; p = subprocess.Popen(['sleep', '120']); print(p.pid, flush=True); time.sleep(120)"
+    # The grandchild in a session of its own, as torchrun starts each rank: the group's kill does not reach it.
+    child = (
+        "import subprocess, time; p = subprocess.Popen(['sleep', '120'], start_new_session=True); "
+        "print(p.pid, flush=True); time.sleep(120)"
+    )
 
     def timeout(*_: object) -> None:
         raise TimeoutError("stage timed out")
