@@ -13,9 +13,11 @@ from flywheel.flows import work
 from flywheel.flows.round_config import RoundConfig
 from flywheel.flows.stages import STAGES
 from flywheel.inference import build_command
+from flywheel.training.config import ConfigError
 from flywheel.training.device import DeviceSettings, resolve_device
 from flywheel.training.grpo import grpo_kwargs
 from flywheel.training.launch import launch_command
+from flywheel.training.memory import GB, model_shape, serving_memory, summary
 from flywheel.training.sft import sft_kwargs
 
 RUN_DIR = "logs/run-<stamp>-<name>/checkpoints"
@@ -49,7 +51,36 @@ def round_plan(config: RoundConfig, profile: str | None = None) -> dict[str, Any
     stages["evaluate"] |= _served(server, settings) | {**p.eval.model_dump(), "max_agent_turns": p.max_agent_turns}
     lm_eval = work.lm_eval_config(work.LMEvalParams(**common, model=f"model/{p.model}", name="lm-eval-r1"))
     stages["lm_eval"] |= {"config": lm_eval.model_dump(mode="json")}
+    if p.device == "cuda":
+        _memory(p, stages, {"sft": sft, "rl": rl}, server)
     return {"profile": profile, "device": p.device, "model": p.model, "gpus": p.gpus, "stages": stages}
+
+
+def _memory(p: RoundConfig, stages: dict[str, dict[str, Any]], trained: dict[str, Any], server: Any) -> None:
+    """Each GPU stage's memory per GPU (training/memory.py); a stage over the GPU's memory fails the plan,
+    naming its largest term."""
+    shape = model_shape(p.model)
+    if shape is None:
+        for name in (n for n, s in STAGES.items() if s.gpu):
+            stages[name]["memory"] = f"unknown: no config.json for {p.model} (a local HF dir) nor a known shape"
+        return
+    capacity = p.gpu_memory_gb * GB
+    for name, cfg in trained.items():
+        stages[name]["memory"] = summary(p.memory_estimate(name, cfg.model_dump()) or {}, capacity)
+    share = server.gpu_memory_utilization * capacity  # What vLLM takes of the GPU; its weights must leave KV room.
+    served = serving_memory(shape, server.tensor_parallel_size, share)
+    for name in ("generate", "evaluate", "lm_eval"):  # A vLLM server each (lm-eval's vllm backend alike).
+        if "server" in stages[name] or name == "lm_eval":
+            stages[name]["memory"] = summary(served, share)
+    over = [(name, s["memory"]) for name, s in stages.items() if isinstance(s.get("memory"), dict)
+            and not s["memory"]["fits"]]  # fmt: skip
+    if over:
+        name, memory = over[0]
+        raise ConfigError(
+            f"{name} needs ~{memory['per_gpu_gb']} GB per GPU of {memory['capacity_gb']} (largest: {memory['largest']} "
+            f"{memory['terms_gb'][memory['largest']]} GB): lower its batch_size, spread the model over more GPUs "
+            "(gpus, deepspeed: zero3) or pick a smaller one"
+        )
 
 
 def _placement(name: str, p: RoundConfig, settings: DeviceSettings) -> dict[str, Any]:

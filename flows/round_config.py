@@ -30,6 +30,15 @@ from flywheel.evaluation.lm_eval_runner import LMEvalConfig
 from flywheel.training.config import ConfigError, error_message, read_config, validate_config
 from flywheel.training.device import DeviceChoice
 from flywheel.training.grpo import GRPORunConfig
+from flywheel.training.memory import (
+    FIT_SHARE,
+    GB,
+    RL_PROMPT_TOKENS,
+    VLLM_COLOCATED_SHARE,
+    fit_micro_batch,
+    model_shape,
+    training_memory,
+)
 from flywheel.training.sft import SFTRunConfig
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
@@ -192,6 +201,13 @@ class RoundConfig(BaseModel):
         ge=0,
         description="GPUs a GPU stage uses (slots of the `gpu` concurrency limit; >1 launches accelerate).",
     )
+    gpu_memory_gb: float = Field(
+        default=80.0,
+        gt=0,
+        description="Memory of one GPU (GB). On CUDA each training stage runs the largest micro-batch (its "
+        "section's batch_size, halved) whose estimate fits, with the accumulation raised to keep the batch per "
+        "step (training/memory.py); `flywheel plan` refuses a stage that cannot fit.",
+    )
     # -- the stages
     generate: GenerateSection = Field(default_factory=GenerateSection, description="The generate stage.")
     sft: SFTSection = Field(default_factory=SFTSection, description="The SFT stage (SFTRunConfig fields).")
@@ -226,7 +242,7 @@ class RoundConfig(BaseModel):
         self, *, policy_model: str, dataset: str, output_name: str, total_steps: int | None = None
     ) -> SFTRunConfig:
         """The SFT stage's run config: the `sft` section as it is, on the round's hardware."""
-        fields = self._on_hardware(self.sft.model_dump())
+        fields = self._on_hardware(self.sft.model_dump(), "sft")
         if total_steps is not None:
             fields["total_steps"] = total_steps
         return SFTRunConfig(**fields, policy_model=policy_model, dataset=dataset, output_name=output_name)
@@ -235,7 +251,7 @@ class RoundConfig(BaseModel):
         self, *, policy_model: str, output_name: str, task_mix: dict[str, dict[str, float]] | None = None
     ) -> GRPORunConfig:
         """The RL stage's run config: the `rl` section, the round's envs and the agent loop's caps (train as judged)."""
-        fields = self._on_hardware(self.rl.model_dump())
+        fields = self._on_hardware(self.rl.model_dump(), "rl")
         if self.gpus > 1:
             fields["screen_tasks"] = 0  # Screening runs in one process.
         return GRPORunConfig(
@@ -269,14 +285,40 @@ class RoundConfig(BaseModel):
         """The lm_eval stage's config: the `lm_eval` section on `backend`."""
         return LMEvalConfig(**self.lm_eval.model_dump(), backend=backend, name=name)
 
-    def _on_hardware(self, fields: dict[str, Any]) -> dict[str, Any]:
-        """A training section on the round's device; its sharding only where several GPUs share the work."""
+    def _on_hardware(self, fields: dict[str, Any], stage: str) -> dict[str, Any]:
+        """A training section on the round's device; its sharding only where several GPUs share the work;
+        on CUDA its micro-batch fitted to the GPU's memory."""
         fields["device"] = self.device
         if self.gpus <= 1:
             fields["deepspeed"], fields["fsdp"] = None, False
         elif fields["fsdp"]:
             fields["deepspeed"] = None
+        if self.device == "cuda" and self.memory_estimate(stage, fields) is not None:
+            batch = fields["batch_size"]
+            micro = fit_micro_batch(
+                lambda mb: sum(self.memory_estimate(stage, fields | {"batch_size": mb}).values()),  # type: ignore[union-attr]
+                batch,
+                FIT_SHARE * self.gpu_memory_gb * GB,
+            )
+            fields["batch_size"], fields["gradient_accumulation_steps"] = (
+                micro,
+                fields["gradient_accumulation_steps"] * (batch // micro),
+            )
         return fields
+
+    def memory_estimate(self, stage: str, fields: dict[str, Any]) -> dict[str, float] | None:
+        """Bytes per GPU, by term, of the `sft` or `rl` stage run with these run-config fields on CUDA
+        (None: the model's shape is unknown)."""
+        shape = model_shape(self.model)
+        if shape is None:
+            return None
+        common = {"gpus": max(1, self.gpus), "zero": fields["deepspeed"], "micro_batch": fields["batch_size"]}
+        if stage == "sft":
+            return training_memory(shape, **common, seq_len=fields["max_length"], logits=True)
+        return training_memory(
+            shape, **common, seq_len=fields["max_completion_length"] + RL_PROMPT_TOKENS, logits=False,
+            reference=fields["kl_beta"] > 0, vllm_bytes=VLLM_COLOCATED_SHARE * self.gpu_memory_gb * GB,
+        )  # fmt: skip
 
     def env_categories(self, env: str) -> list[str] | None:
         """The categories of `env` this round covers (None: all of them, or an env without categories)."""
