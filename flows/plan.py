@@ -45,7 +45,7 @@ def round_plan(config: RoundConfig, profile: str | None = None) -> dict[str, Any
             "attn_implementation": settings.attn_implementation,
             "config": cfg.model_dump(mode="json"),
             "trainer_args": kwargs,
-            "launch": launch_command(cfg, f"<{name} config>.yaml", p.gpus) if p.gpus > 1 else None,
+            "launch": launch_command(cfg, f"<{name} config>.yaml", max(1, p.gpus)) if work.launched(cfg, p) else None,
         }
     stages["rl"]["generation"] = f"vllm {rl.vllm_mode}" if rl.vllm() else "in-process (transformers generate)"
     stages["evaluate"] |= _served(server, settings) | {**p.eval.model_dump(), "max_agent_turns": p.max_agent_turns}

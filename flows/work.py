@@ -219,10 +219,16 @@ def rl(params: RLParams, callbacks: list[Any] | None = None) -> Manifest:
     return _train(rl_config(params), params, callbacks)
 
 
+def launched(cfg: TrainConfig, config: RoundConfig) -> bool:
+    """Whether a training stage runs as an `accelerate launch` child: on several GPUs, and wherever GRPO
+    generates with vLLM, which lives in the GPU runtime (requirements/gpu.txt), not in Prefect's environment."""
+    return config.gpus > 1 or (isinstance(cfg, GRPORunConfig) and cfg.vllm())
+
+
 def _train(cfg: TrainConfig, params: StageParams, callbacks: list[Any] | None) -> Manifest:
-    """Train here, or launched with accelerate on the round's GPUs (steps then show in the run log)."""
-    if params.config.gpus > 1:
-        return launch(cfg, params.store(), params.config.gpus)
+    """Train here, or launched with accelerate (steps then show in the run log)."""
+    if launched(cfg, params.config):
+        return launch(cfg, params.store(), max(1, params.config.gpus))
     return run_training(cfg, params.store(), callbacks=callbacks)
 
 

@@ -117,11 +117,25 @@ class ServerConfig(BaseModel):
         return self
 
 
+GPU_PYTHON_ENV = "FLYWHEEL_GPU_PYTHON"
+
+
+def gpu_python() -> str:
+    """The interpreter of the GPU runtime (requirements/gpu.txt: vLLM cannot share Prefect's environment):
+    `FLYWHEEL_GPU_PYTHON`, else this one (a machine with one environment)."""
+    return os.environ.get(GPU_PYTHON_ENV) or sys.executable
+
+
+def vllm_cli() -> list[str]:
+    """`vllm` of the GPU runtime, never whatever `vllm` is first on PATH."""
+    return [gpu_python(), "-m", "vllm.entrypoints.cli.main"]
+
+
 def build_command(config: ServerConfig, port: int) -> list[str]:
     """The server's argv for `config` listening on `port` (pure: no process is started)."""
     if config.backend == "vllm":
         command = [
-            "vllm",
+            *vllm_cli(),
             "serve",
             config.model,
             "--host",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -16,16 +17,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from flywheel.inference.server import vllm_cli  # noqa: E402
+
 CONCURRENCY = 32  # Requests in flight, ours and `vllm bench serve` alike (8 groups of 4 rollouts).
 H100_BF16_PEAK = 989e12  # Dense bf16 FLOP/s of an H100 / H200 SXM: the MFU denominator.
 SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
-def bench_command(base_url: str, model: str, prompts: int = 256) -> list[str]:
-    """`vllm bench serve` at our concurrency: chat requests shaped like an agent turn (long prompt, short reply)."""
+def bench_command(base_url: str, model: str, tokenizer: str, prompts: int = 256) -> list[str]:
+    """`vllm bench serve` of the GPU runtime at our concurrency: chat requests shaped like an agent turn
+    (long prompt, short reply); `tokenizer` is the served model's directory (its served name is neither
+    a path nor a hub id)."""
     return [
-        "vllm", "bench", "serve", "--backend", "openai-chat", "--base-url", base_url.removesuffix("/v1"),
-        "--endpoint", "/v1/chat/completions", "--model", model, "--dataset-name", "random",
+        *vllm_cli(), "bench", "serve", "--backend", "openai-chat", "--base-url", base_url.removesuffix("/v1"),
+        "--endpoint", "/v1/chat/completions", "--model", model, "--tokenizer", tokenizer, "--dataset-name", "random",
         "--random-input-len", "768", "--random-output-len", "96", "--num-prompts", str(prompts),
         "--max-concurrency", str(CONCURRENCY),
     ]  # fmt: skip
@@ -86,7 +91,7 @@ def main() -> None:
         url = "http://127.0.0.1:8000/v1"
         plan = {
             "steps": ["device", "rollouts_vs_vllm_bench", "sft_bf16", "grpo_vllm_colocate", "round_cuda"],
-            "bench": bench_command(url, SERVED_NAME),
+            "bench": bench_command(url, SERVED_NAME, "<smollm2 dir>"),
             "process": process_command(url, SERVED_NAME, "<smollm2 dir>", Path("<out>/tuc.jsonl")),
             "round": ["flywheel", "round", "--profile", "tiny", "--device", "cuda"],
         }
@@ -118,7 +123,7 @@ def run_checks(summary: Summary, out: Path) -> None:
             subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=150)
             ours = requests_per_second(groups)
             bench = subprocess.run(
-                bench_command(server.base_url, SERVED_NAME), capture_output=True, text=True, timeout=150
+                bench_command(server.base_url, SERVED_NAME, model_dir), capture_output=True, text=True, timeout=150
             )
             theirs = bench_requests_per_second(bench.stdout + bench.stderr)
         return {"ours_req_s": round(ours, 2), "vllm_bench_req_s": theirs, "ratio": round(ours / theirs, 3),
@@ -163,7 +168,8 @@ def grpo_steps(store: Any, model_dir: str, out: Path) -> dict[str, Any]:
 
 
 def tiny_round(out: Path) -> dict[str, Any]:
-    flywheel = str(Path(sys.executable).parent / "flywheel")
+    """`flywheel round` of the Prefect environment (FLYWHEEL_CLI; the GPU runtime has no Prefect)."""
+    flywheel = os.environ.get("FLYWHEEL_CLI") or str(Path(sys.executable).parent / "flywheel")
     result = subprocess.run([flywheel, "--store", str(out / "round-store"), "round", "--profile", "tiny",
                              "--device", "cuda"], capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
     if result.returncode:

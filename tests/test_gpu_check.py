@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from flywheel.inference.server import vllm_cli
 from scripts.gpu_check import (
     CONCURRENCY,
     bench_command,
@@ -26,7 +27,10 @@ def test_dry_run_lists_the_steps_and_same_concurrency_commands() -> None:
     plan = json.loads(result.stdout)
     assert plan["steps"][-1] == "round_cuda" and plan["round"][-2:] == ["--device", "cuda"]
     bench = plan["bench"]
-    assert bench[:3] == ["vllm", "bench", "serve"] and bench[bench.index("--max-concurrency") + 1] == str(CONCURRENCY)
+    assert bench[:5] == [*vllm_cli(), "bench", "serve"] and bench[bench.index("--max-concurrency") + 1] == str(
+        CONCURRENCY
+    )
+    assert bench[bench.index("--tokenizer") + 1] == "<smollm2 dir>"  # The served name is no tokenizer vLLM can load.
     process = plan["process"]
     groups_in_flight = int(process[process.index("--env.process_concurrency") + 1])
     assert groups_in_flight * int(process[process.index("--env.group_size") + 1]) == CONCURRENCY
@@ -42,8 +46,6 @@ def test_both_throughputs_are_read_as_requests_per_second(tmp_path: Path) -> Non
     groups.write_text(json.dumps({"messages": [turn, turn[:2]]}) + "\n" + json.dumps({"messages": [turn]}) + "\n")
     groups.with_suffix(".stats.json").write_text(json.dumps({"seconds": 2.5}))
     assert requests_per_second(groups) == pytest.approx(5 / 2.5)
-    assert (
-        bench_command("http://h:8000/v1", "m")[bench_command("http://h:8000/v1", "m").index("--base-url") + 1]
-        == "http://h:8000"
-    )
+    bench = bench_command("http://h:8000/v1", "m", "tok")
+    assert bench[bench.index("--base-url") + 1] == "http://h:8000"
     assert process_command("http://h:8000/v1", "m", "tok", groups)[1] == "environments/tool_use_chain.py"

@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,10 +18,16 @@ import yaml
 
 from flywheel.data import ArtifactStore, Manifest
 from flywheel.data.store import STORE_ENV
+from flywheel.inference.server import gpu_python
 from flywheel.training.config import DEEPSPEED_DIR, TrainConfig
 
 logger = logging.getLogger(__name__)
-ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
+
+
+def accelerate_cli() -> list[str]:
+    """`accelerate launch` of the GPU runtime (`gpu_python`), never whatever is first on PATH (a worker's venv
+    is not activated)."""
+    return [gpu_python(), "-m", "accelerate.commands.launch"]
 
 
 class LaunchError(RuntimeError):
@@ -73,8 +78,7 @@ def launch_command(
     """The `accelerate launch` argv that trains `cfg` (saved as `config_file`, plus `key=value` overrides)
     on `num_gpus` GPUs, sharded as it says (ZeRO, FSDP or plain DDP), saving into `store_url` (None: the
     launched process's own default); pure: nothing runs."""
-    # Accelerate of this interpreter, never whatever `accelerate` is first on PATH (a worker's venv is not activated).
-    command = [*ACCELERATE, "--num_processes", str(num_gpus), "--num_machines", "1"]
+    command = [*accelerate_cli(), "--num_processes", str(num_gpus), "--num_machines", "1"]
     if cfg.deepspeed:
         command += [
             "--config_file",
@@ -84,7 +88,7 @@ def launch_command(
         ]
     elif cfg.fsdp:
         command += ["--config_file", str(DEEPSPEED_DIR / "accelerate_fsdp.yaml")]
-    else:
+    elif num_gpus > 1:
         command.append("--multi_gpu")
     store = ["--store", store_url] if store_url else []
     return [*command, "-m", "flywheel.flows.cli", *store, "train", cfg.algorithm, "--config", config_file, *overrides]

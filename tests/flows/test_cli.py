@@ -15,7 +15,7 @@ import typer
 
 from flywheel.data import ArtifactStore
 from flywheel.flows import cli
-from flywheel.training.launch import ACCELERATE
+from flywheel.training.launch import accelerate_cli
 
 FLYWHEEL = str(Path(sys.executable).parent / "flywheel")
 SFT_CONFIG = str(Path(__file__).resolve().parents[2] / "training" / "configs" / "sft_h100_zero3.yaml")
@@ -220,7 +220,7 @@ def test_multi_gpu_dry_run_carries_every_override_and_the_store(tmp_path: Path) 
                  "learning_rate=1e-4")  # fmt: skip
     assert result.returncode == 0, result.stderr
     command = result.stdout.split()
-    assert command[:5] == [*ACCELERATE, "--num_processes", "2"]
+    assert command[:5] == [*accelerate_cli(), "--num_processes", "2"]
     cli = command[command.index("flywheel.flows.cli") :]
     assert cli == ["flywheel.flows.cli", "--store", store, "train", "sft", "--config", SFT_CONFIG,
                    "total_steps=5", "learning_rate=1e-4"]  # fmt: skip

@@ -11,9 +11,10 @@ from flywheel.flows import work
 from flywheel.flows.plan import round_plan
 from flywheel.flows.round_config import load_round_config, profile
 from flywheel.flows.stages import STAGES
+from flywheel.inference.server import vllm_cli
 from flywheel.training.config import ConfigError
 from flywheel.training.device import cpu_computes_bf16
-from flywheel.training.launch import ACCELERATE
+from flywheel.training.launch import accelerate_cli
 
 
 def _strings(value: Any) -> list[str]:
@@ -41,13 +42,13 @@ def test_the_h100_plan_has_no_cpu_setting() -> None:
         args = stage["trainer_args"]
         assert "use_cpu" not in args and args["bf16"] and args["gradient_checkpointing"], name
         assert stage["dtype"] == "float32" and args["deepspeed"].endswith("zero3.json"), name  # bf16: autocast.
-        assert stage["launch"][:5] == [*ACCELERATE, "--num_processes", "8"], name
+        assert stage["launch"][:5] == [*accelerate_cli(), "--num_processes", "8"], name
     assert plan["stages"]["rl"]["trainer_args"]["use_vllm"] and plan["stages"]["rl"]["generation"] == "vllm colocate"
     for name in ("generate", "evaluate"):  # Every stage that serves on vLLM is on the GPU pool.
         stage = plan["stages"][name]
         command = stage["server"]["command"]
         assert stage["pool"] == "h100" and stage["gpus"] == 8, name
-        assert command[:2] == ["vllm", "serve"] and command[command.index("--data-parallel-size") + 1] == "8"
+        assert command[:4] == [*vllm_cli(), "serve"] and command[command.index("--data-parallel-size") + 1] == "8"
         assert command[command.index("--served-model-name") + 1] == "Qwen2.5-1.5B-Instruct"
     assert "bfloat16" in command and not any("transformers" in s for s in _strings(plan["stages"]))
 
@@ -102,3 +103,16 @@ def test_grpo_accumulates_micro_batches_so_a_group_may_span_them() -> None:
     assert cfg.problems() == []
     odd = cfg.model_copy(update={"gradient_accumulation_steps": 3})
     assert any("must be a multiple of num_rollouts_per_task=2" in problem for problem in odd.problems())
+
+
+def test_grpo_on_vllm_is_launched_in_the_gpu_runtime_even_on_one_gpu() -> None:
+    """vLLM cannot live in Prefect's environment: GRPO that generates with it runs as an accelerate child of
+    `FLYWHEEL_GPU_PYTHON`, one process on one GPU (no --multi_gpu); SFT on one GPU trains in the stage."""
+    plan = plan_of("h100")
+    one = round_plan(load_round_config("h100", overrides=["gpus=1"]), "h100")
+    assert one["stages"]["sft"]["launch"] is None
+    launch = one["stages"]["rl"]["launch"]
+    assert launch[:5] == [*accelerate_cli(), "--num_processes", "1"] and "--multi_gpu" not in launch
+    assert plan["stages"]["rl"]["launch"][:5] == [*accelerate_cli(), "--num_processes", "8"]
+    quick = load_round_config("quick", overrides=["device=cpu"])
+    assert not work.launched(work.rl_config(work.RLParams(round_no=1, config=quick, policy="p")), quick)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.inference import ModelServer, ServerConfig, ServerError, build_command, chat
-from flywheel.inference.server import server_env
+from flywheel.inference.server import server_env, vllm_cli
 
 
 def _pid_alive(pid: int) -> bool:
@@ -30,7 +30,7 @@ def test_vllm_command_carries_gpu_and_tool_flags(tiny_model: Path) -> None:
         dtype="bfloat16",
     )
     command = build_command(config, 9000)
-    assert command[:3] == ["vllm", "serve", str(tiny_model)]
+    assert command[:5] == [*vllm_cli(), "serve", str(tiny_model)]
     joined = " ".join(command)
     for flag in (
         "--port 9000",

@@ -11,7 +11,7 @@ import pytest
 from flywheel.data import ArtifactStore
 from flywheel.training.config import ConfigError, load_config
 from flywheel.training.dpo import DPORunConfig, render_pairs
-from flywheel.training.launch import ACCELERATE, launch_command
+from flywheel.training.launch import accelerate_cli, launch_command
 from flywheel.training.registry import ALGORITHMS, load_run_config, run_training
 from flywheel.training.sft import SFTRunConfig
 
@@ -68,7 +68,7 @@ def test_every_shipped_config_loads_and_documents_its_command(path: Path) -> Non
 
 def test_launch_command_for_multi_gpu_sft() -> None:
     command = launch_command(SFTRunConfig(dataset="d", deepspeed="zero3"), "cfg.yaml", 8)
-    assert command[:5] == [*ACCELERATE, "--num_processes", "8"]
+    assert command[:5] == [*accelerate_cli(), "--num_processes", "8"]
     assert any(part.endswith("zero3.json") for part in command)
     assert command[-6:] == ["-m", "flywheel.flows.cli", "train", "sft", "--config", "cfg.yaml"]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.training.launch import ACCELERATE, LaunchError, launch_command, run_logged
+from flywheel.training.launch import LaunchError, accelerate_cli, launch_command, run_logged
 from flywheel.training.sft import SFTRunConfig
 
 SFT_CONFIG = str(Path(__file__).resolve().parents[2] / "training" / "configs" / "sft_tiny.yaml")
@@ -73,7 +73,7 @@ def test_launch_command_carries_every_override_and_the_store() -> None:
     command = launch_command(
         SFTRunConfig(dataset="d"), "cfg.yaml", 2, ["total_steps=5", "learning_rate=1e-4"], "s3://bucket/runs"
     )
-    assert command[:5] == [*ACCELERATE, "--num_processes", "2"] and "--multi_gpu" in command
+    assert command[:5] == [*accelerate_cli(), "--num_processes", "2"] and "--multi_gpu" in command
     cli = command[command.index("flywheel.flows.cli") :]
     assert cli == ["flywheel.flows.cli", "--store", "s3://bucket/runs", "train", "sft", "--config", "cfg.yaml",
                    "total_steps=5", "learning_rate=1e-4"]  # fmt: skip
