@@ -15,6 +15,7 @@ import typer
 
 from flywheel.data import ArtifactStore
 from flywheel.flows import cli
+from flywheel.inference.server import vllm_cli
 from flywheel.training.launch import accelerate_cli
 
 FLYWHEEL = str(Path(sys.executable).parent / "flywheel")
@@ -132,7 +133,7 @@ def test_serve_dry_run_builds_the_vllm_command(model_store: ArtifactStore, tiny_
         "--dry-run",
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("vllm serve ")
+    assert result.stdout.startswith(" ".join([*vllm_cli(), "serve", ""]))  # The GPU runtime's vLLM, not PATH's.
     assert "--tensor-parallel-size 2" in result.stdout and "--served-model-name tiny" in result.stdout
 
 
