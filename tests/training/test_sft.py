@@ -175,3 +175,34 @@ def test_wandb_reporting_works_offline_without_a_key(
                        logs_root=str(tmp_path / "logs"), output_name="sft-wandb")  # fmt: skip
     assert run_sft(cfg, model_store).metrics["steps"] == 2
     assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_packing_keeps_the_loss_on_exactly_the_assistant_tokens(tiny_model: Path, tmp_path: Path) -> None:
+    """CUDA SFT packs conversations into one padding-free sequence: the loss still covers exactly each
+    conversation's assistant tokens (our `assistant_masks`), and positions restart at every conversation,
+    so none attends to another's."""
+    from collections import Counter
+
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from flywheel.training.sft import sft_kwargs
+
+    assert sft_kwargs(SFTRunConfig(dataset="d", device="cuda"), tmp_path)["packing"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    rows = [conversation(a, b) for a in range(3) for b in range(3)]
+    data = tokenize_rows(tokenizer, rows, training_template(tiny_model, tokenizer), 512)
+    kwargs = sft_kwargs(SFTRunConfig(dataset="d", device="cpu", max_length=512, batch_size=2), tmp_path)
+    trainer = SFTTrainer(model=str(tiny_model), args=SFTConfig(**kwargs | {"packing": True}),
+                         train_dataset=Dataset.from_dict(data), processing_class=tokenizer)  # fmt: skip
+    packed = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    assert len(packed) < len(rows)  # Several conversations to a sequence.
+    batch = trainer.data_collator(packed)
+    labels, positions = batch["labels"][0].tolist(), batch["position_ids"][0].tolist()
+    starts = [i for i, position in enumerate(positions) if position == 0]
+    conversations = [tuple(labels[a:b]) for a, b in zip(starts, [*starts[1:], len(labels)], strict=True)]
+    expected = [tuple(i if m else -100 for i, m in zip(ids, mask, strict=True))
+                for ids, mask in zip(data["input_ids"], data["assistant_masks"], strict=True)]  # fmt: skip
+    assert Counter(conversations) == Counter(expected)
+    assert batch["cu_seq_lens_q"].tolist() == [*starts, len(labels)]
