@@ -66,7 +66,7 @@ def _memory(p: RoundConfig, stages: dict[str, dict[str, Any]], trained: dict[str
         return
     capacity = p.gpu_memory_gb * GB
     for name, cfg in trained.items():
-        stages[name]["memory"] = summary(p.memory_estimate(name, cfg.model_dump()) or {}, capacity)
+        stages[name]["memory"] = summary(p.memory_estimate(name, cfg.model_dump(), shape), capacity)
     share = server.gpu_memory_utilization * capacity  # What vLLM takes of the GPU; its weights must leave KV room.
     served = serving_memory(shape, server.tensor_parallel_size, share)
     for name in ("generate", "evaluate", "lm_eval"):  # A vLLM server each (lm-eval's vllm backend alike).

@@ -35,6 +35,7 @@ from flywheel.training.memory import (
     GB,
     RL_PROMPT_TOKENS,
     VLLM_COLOCATED_SHARE,
+    ModelShape,
     fit_micro_batch,
     model_shape,
     training_memory,
@@ -293,10 +294,11 @@ class RoundConfig(BaseModel):
             fields["deepspeed"], fields["fsdp"] = None, False
         elif fields["fsdp"]:
             fields["deepspeed"] = None
-        if self.device == "cuda" and self.memory_estimate(stage, fields) is not None:
+        shape = model_shape(self.model) if self.device == "cuda" else None
+        if shape is not None:
             batch = fields["batch_size"]
             micro = fit_micro_batch(
-                lambda mb: sum(self.memory_estimate(stage, fields | {"batch_size": mb}).values()),  # type: ignore[union-attr]
+                lambda mb: sum(self.memory_estimate(stage, fields | {"batch_size": mb}, shape).values()),
                 batch,
                 FIT_SHARE * self.gpu_memory_gb * GB,
             )
@@ -306,12 +308,9 @@ class RoundConfig(BaseModel):
             )
         return fields
 
-    def memory_estimate(self, stage: str, fields: dict[str, Any]) -> dict[str, float] | None:
-        """Bytes per GPU, by term, of the `sft` or `rl` stage run with these run-config fields on CUDA
-        (None: the model's shape is unknown)."""
-        shape = model_shape(self.model)
-        if shape is None:
-            return None
+    def memory_estimate(self, stage: str, fields: dict[str, Any], shape: ModelShape) -> dict[str, float]:
+        """Bytes per GPU, by term, of the `sft` or `rl` stage run with these run-config fields on CUDA,
+        for a model of `shape` (`training.memory.model_shape` of the round's model)."""
         common = {"gpus": max(1, self.gpus), "zero": fields["deepspeed"], "micro_batch": fields["batch_size"]}
         if stage == "sft":
             return training_memory(shape, **common, seq_len=fields["max_length"], logits=True)

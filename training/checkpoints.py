@@ -157,11 +157,12 @@ def finish(
         "wall_seconds": round(time.perf_counter() - started, 1),
         "device": cfg.settings().device,
     }
-    stored = None
+    manifest = None
     if main:
-        stored = store_checkpoint(store, folder, trainer.processing_class, run, cfg, model_dir, parents, metrics).id
+        manifest = store_checkpoint(store, folder, trainer.processing_class, run, cfg, model_dir, parents, metrics)
         logger.info("%s %s: %s", cfg.algorithm, cfg.output_name, json.dumps(metrics, default=str))
-    return store.manifest(from_rank_zero(stored))
+    stored = from_rank_zero(manifest.id if manifest else None)
+    return manifest or store.manifest(stored)
 
 
 def model_parents(store: ArtifactStore, spec: str, *more: str | None) -> list[str]:

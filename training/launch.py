@@ -62,7 +62,8 @@ def kill_tree(pid: int) -> None:
     import psutil
 
     try:
-        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        launcher = psutil.Process(pid)
+        processes = [launcher, *launcher.children(recursive=True)]
     except psutil.NoSuchProcess:
         processes = []
     with contextlib.suppress(ProcessLookupError):

@@ -98,10 +98,13 @@ class LLM:
         eos = self.model.generation_config.eos_token_id
         self.stops = set(eos if isinstance(eos, list) else [eos]) - {None}
         script = os.environ.get("VLLM_STAND_IN_SCRIPT")
-        self.script = None
+        self.script = self.tokenizer = None
         if script:
+            from transformers import AutoTokenizer
+
             module, _, name = script.partition(":")
             self.script = getattr(importlib.import_module(module), name)
+            self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.skew = float(os.environ.get("VLLM_STAND_IN_SKEW", "0"))
         self.prefix_resets = 0
         self.sleeping = False
@@ -138,11 +141,8 @@ class LLM:
         """Sampled (or scripted) token ids and each one's processed log-prob, one forward per token."""
         scripted = None
         if self.script is not None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(self.model.name_or_path)
-            text = self.script(tokenizer.decode(prompt))
-            scripted = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
+            text = self.script(self.tokenizer.decode(prompt))
+            scripted = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
             scripted = scripted[: params.max_tokens]
         new: list[int] = []
         logprobs: list[float] = []
