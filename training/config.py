@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from flywheel.environments.registry import ENVIRONMENTS, is_env_spec
 from flywheel.training.device import DeviceChoice, DeviceSettings
+from flywheel.training.distributed import launched
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,9 @@ class TrainConfig(BaseModel):
         return DeviceSettings.for_device(self.device)
 
     def trainer_kwargs(self, output_dir: Path | str) -> dict[str, Any]:
-        """The `TrainingArguments` fields every TRL trainer shares (pure: `flywheel plan` shows them)."""
+        """The fields every TRL trainer's config shares (`TrainingArguments` plus TRL's `model_init_kwargs`: the
+        trainers load the model from its path after the args exist, so ZeRO-3 shards it as it loads); pure:
+        `flywheel plan` shows them."""
         kwargs: dict[str, Any] = {
             "output_dir": str(output_dir),
             "max_steps": self.total_steps,
@@ -103,6 +106,7 @@ class TrainConfig(BaseModel):
             "save_total_limit": 2,  # The newest step checkpoint, and the one before while it is written.
             "report_to": self.report_to or "none",
             "disable_tqdm": not sys.stderr.isatty(),  # A progress bar on a terminal only.
+            "model_init_kwargs": self.settings().model_kwargs(),
             **self.settings().trainer_kwargs(),
         }
         if self.gradient_checkpointing is not None:
@@ -115,6 +119,8 @@ class TrainConfig(BaseModel):
                 if self.mixed_precision:
                     raise ValueError("mixed_precision on CPU cannot run under DeepSpeed (it runs without use_cpu)")
                 kwargs["bf16"] = False
+                if launched():  # Ranks of one CPU launch: see `training_arguments`.
+                    kwargs["accelerator_config"] = {"use_configured_state": True}
         if self.fsdp:
             kwargs["fsdp"] = "full_shard auto_wrap"
         return kwargs

@@ -6,6 +6,8 @@
 With `dataset`, the pairs come from that artifact. Without one, the run samples them online:
 `num_rollouts_per_task` rollouts of each of `num_tasks` tasks through each env's own agent loop
 (as GRPO rolls out), then pairs best vs worst where their rewards differ (`flywheel.data.curation`).
+The policy samples on this rank's device in its serving dtype, each rank a share of the tasks, and
+every rank trains on all the pairs; the trainer loads its own copy afterwards (so ZeRO-3 shards it).
 Pairs are rendered to text with the model's chat template here (prompt with the generation
 prompt; chosen / rejected as the continuations), which keeps tool-call arguments as dicts.
 """
@@ -24,7 +26,8 @@ from flywheel.data import ArtifactStore, Manifest
 from flywheel.data.curation import preference_pair
 from flywheel.training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
 from flywheel.training.config import RunnerConfig
-from flywheel.training.device import one_gpu_per_process
+from flywheel.training.device import DeviceSettings
+from flywheel.training.distributed import gathered, my_share, this_device, training_arguments
 from flywheel.training.models import resolve_model
 from flywheel.training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
 
@@ -67,7 +70,7 @@ def sample_pairs(
     pairs = []
     with PolicyServer(lambda: model, tokenizer, cfg.sampling_top_k(), cfg.max_completion_length) as server:
         groups = []
-        for task in tasks.values():
+        for task in my_share(list(tasks.values())):
             task.env.server = server
             groups.append((task, asyncio.run(_group(task, cfg))))
     for task, outcomes in groups:
@@ -78,8 +81,19 @@ def sample_pairs(
         pair = preference_pair(group, meta, cfg.min_reward_gap) if len(group) >= 2 else None
         if pair is not None:
             pairs.append(pair)
+    pairs = gathered(pairs)
     logger.info("sampled %d preference pairs from %d tasks", len(pairs), len(tasks))
     return pairs
+
+
+def sampling_policy(model_dir: Any, settings: DeviceSettings) -> Any:
+    """The policy as online sampling runs it: on this rank's device, in the dtype it is served in."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=settings.dtype, attn_implementation=settings.attn_implementation
+    )
+    return model.to(this_device())
 
 
 async def _group(task: Any, cfg: DPORunConfig) -> list[tuple[Any, float | None]]:
@@ -93,6 +107,7 @@ def run_dpo(
     """load -> build -> run -> save: DPO against the reference model on stored or freshly sampled pairs
     (`envs`: names or instances, as for GRPO)."""
     import torch
+    from accelerate.utils import release_memory
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
@@ -103,22 +118,24 @@ def run_dpo(
         torch.set_num_threads(cfg.num_threads)
     model_dir = resolve_model(cfg.policy_model, store)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **settings.model_kwargs())
     if cfg.dataset:
         text = store.read_bytes(cfg.dataset, "train.jsonl").decode()
         pairs = [json.loads(line) for line in text.splitlines() if line.strip()]
     else:
-        pairs = sample_pairs(cfg, model, tokenizer, model_dir, envs)
+        pairs = sample_pairs(cfg, sampling_policy(model_dir, settings), tokenizer, model_dir, envs)
+        release_memory()  # The sampling copy is garbage now: its memory goes back before the trainer loads.
     if not pairs:
         where = f"dataset '{cfg.dataset}'" if cfg.dataset else f"online sampling on {cfg.envs}"
         raise ValueError(f"{where} gave no preference pairs (every group scored alike)")
     ref = resolve_model(cfg.ref_model, store) if cfg.ref_model else None
     run = RunDir(cfg.logs_root, cfg.output_name)
     parents = model_parents(store, cfg.policy_model, cfg.dataset)
+    # The args before any model loads: under ZeRO-3 the loads below are partitioned.
+    args = training_arguments(DPOConfig, {**cfg.trainer_kwargs(run.checkpoints), "beta": max(cfg.kl_beta, 1e-3)})
     trainer = DPOTrainer(
-        model=model,
+        model=str(model_dir),
         ref_model=AutoModelForCausalLM.from_pretrained(ref, **settings.model_kwargs()) if ref else None,
-        args=one_gpu_per_process(DPOConfig(**cfg.trainer_kwargs(run.checkpoints), beta=max(cfg.kl_beta, 1e-3))),
+        args=args,
         train_dataset=Dataset.from_dict(render_pairs(tokenizer, pairs)),
         processing_class=tokenizer,
         callbacks=[MetricsCallback(run), NonFiniteGuard(), StepCheckpoints(store, cfg, parents), *(callbacks or [])],

@@ -31,7 +31,7 @@ from flywheel.environments.registry import categories_of, env_class
 from flywheel.environments.task_stream import weighted_round_robin
 from flywheel.training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
 from flywheel.training.config import RunnerConfig
-from flywheel.training.device import one_gpu_per_process
+from flywheel.training.distributed import training_arguments
 from flywheel.training.models import resolve_model
 from flywheel.training.rollouts import Outcome, PolicyServer, Task, agent_rollout_func, prompt_key, run_rollouts
 from flywheel.training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
@@ -142,7 +142,7 @@ def grpo_args(cfg: GRPORunConfig, output_dir: str) -> Any:
     """TRL `GRPOConfig` from the runner knobs."""
     from trl import GRPOConfig
 
-    return one_gpu_per_process(GRPOConfig(**grpo_kwargs(cfg, output_dir)))
+    return training_arguments(GRPOConfig, grpo_kwargs(cfg, output_dir))
 
 
 def grpo_kwargs(cfg: GRPORunConfig, output_dir: str) -> dict[str, Any]:
@@ -210,7 +210,7 @@ def run_grpo(
     """load -> build -> run -> save: GRPO on the configured envs (`envs`: names, or instances as their
     makers configured them); the checkpoint goes to the store. The envs get the policy's tokenizer."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from trl import GRPOTrainer
 
     started = time.perf_counter()
@@ -227,7 +227,7 @@ def run_grpo(
     parents = model_parents(store, cfg.policy_model)
     stats = RewardStats()
     trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir, **settings.model_kwargs()),
+        model=str(model_dir),  # TRL loads it after the args exist, so ZeRO-3 partitions it while loading.
         reward_funcs=[env_reward(run, cfg.rollouts_every, stats)],
         args=grpo_args(cfg, str(run.checkpoints)),
         train_dataset=dataset,

@@ -73,12 +73,9 @@ def kill_tree(pid: int) -> None:
             process.kill()
 
 
-def launch_command(
-    cfg: TrainConfig, config_file: str, num_gpus: int, overrides: Sequence[str] = (), store_url: str | None = None
-) -> list[str]:
-    """The `accelerate launch` argv that trains `cfg` (saved as `config_file`, plus `key=value` overrides)
-    on `num_gpus` GPUs, sharded as it says (ZeRO, FSDP or plain DDP), saving into `store_url` (None: the
-    launched process's own default); pure: nothing runs."""
+def launcher(cfg: TrainConfig, num_gpus: int) -> list[str]:
+    """`accelerate launch` and its options for `num_gpus` processes sharded as `cfg` says (ZeRO, FSDP or
+    plain DDP); the program to run follows."""
     command = [*accelerate_cli(), "--num_processes", str(num_gpus), "--num_machines", "1"]
     if cfg.deepspeed:
         command += [
@@ -91,8 +88,17 @@ def launch_command(
         command += ["--config_file", str(DEEPSPEED_DIR / "accelerate_fsdp.yaml")]
     elif num_gpus > 1:
         command.append("--multi_gpu")
+    return command
+
+
+def launch_command(
+    cfg: TrainConfig, config_file: str, num_gpus: int, overrides: Sequence[str] = (), store_url: str | None = None
+) -> list[str]:
+    """The `accelerate launch` argv that trains `cfg` (saved as `config_file`, plus `key=value` overrides)
+    on `num_gpus` GPUs, saving into `store_url` (None: the launched process's own default); pure: nothing runs."""
     store = ["--store", store_url] if store_url else []
-    return [*command, "-m", "flywheel.flows.cli", *store, "train", cfg.algorithm, "--config", config_file, *overrides]
+    train = ["train", cfg.algorithm, "--config", config_file, *overrides]
+    return [*launcher(cfg, num_gpus), "-m", "flywheel.flows.cli", *store, *train]
 
 
 def launch(cfg: TrainConfig, store: ArtifactStore, num_gpus: int) -> Manifest:

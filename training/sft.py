@@ -23,7 +23,7 @@ from pydantic import Field
 from flywheel.data import ArtifactStore, Manifest
 from flywheel.training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
 from flywheel.training.config import TrainConfig
-from flywheel.training.device import one_gpu_per_process
+from flywheel.training.distributed import training_arguments
 from flywheel.training.models import TRAINING_TEMPLATE_FILE, resolve_model
 from flywheel.training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
 
@@ -119,7 +119,7 @@ def trainer_args(cfg: SFTRunConfig, output_dir: Path) -> Any:
     """TRL `SFTConfig` for the run's device (TRL's defaults are GPU ones)."""
     from trl import SFTConfig
 
-    return one_gpu_per_process(SFTConfig(**sft_kwargs(cfg, output_dir)))
+    return training_arguments(SFTConfig, sft_kwargs(cfg, output_dir))
 
 
 def sft_kwargs(cfg: SFTRunConfig, output_dir: Path | str) -> dict[str, Any]:
@@ -132,7 +132,6 @@ def sft_kwargs(cfg: SFTRunConfig, output_dir: Path | str) -> dict[str, Any]:
         # flag is for untokenised conversational datasets.
         "assistant_only_loss": False,
         "dataloader_num_workers": 0,
-        "model_init_kwargs": settings.model_kwargs(),
     }
     if settings.device == "cuda":
         kwargs["packing"] = True
@@ -143,7 +142,7 @@ def run_sft(cfg: SFTRunConfig, store: ArtifactStore, callbacks: list[Any] | None
     """load -> build -> run -> save: a `checkpoint` artifact whose parents are the dataset and base model."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from trl import SFTTrainer
 
     started = time.perf_counter()
@@ -158,7 +157,7 @@ def run_sft(cfg: SFTRunConfig, store: ArtifactStore, callbacks: list[Any] | None
     run = RunDir(cfg.logs_root, cfg.output_name)
     parents = model_parents(store, cfg.policy_model, dataset_id)
     trainer = SFTTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir, **settings.model_kwargs()),
+        model=str(model_dir),  # TRL loads it after the args exist, so ZeRO-3 partitions it while loading.
         args=trainer_args(cfg, run.checkpoints),
         train_dataset=data,
         processing_class=tokenizer,

@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO on CPU: the ZeRO engine runs at its stage, and 4 SFT steps match a plain run's losses
 (ZeRO-3, the profiles' default sharding; ZeRO-2 and ZeRO-3-offload under `-m sweep`: offload's CPU Adam
-is a JIT build that took a fresh CI machine ~75 s more)."""
+is a JIT build that took a fresh CI machine ~75 s more). In two processes (`accelerate launch`, gloo),
+ZeRO-3 holds half the weights on each rank and matches two plain data-parallel ranks step for step."""
 
 from __future__ import annotations
 
@@ -13,14 +14,17 @@ from pathlib import Path
 import pytest
 
 from flywheel.inference import free_port
+from flywheel.training.launch import launcher
+from flywheel.training.sft import SFTRunConfig
 
 pytest.importorskip("deepspeed")
 
+ROOT = Path(__file__).resolve().parents[2]
 _RUN = """
-import json, sys
+import json, os, sys
 from pathlib import Path
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 from trl import SFTTrainer
 from tests.training.test_sft import conversation
 from flywheel.training.run_logs import MetricsCallback, RunDir
@@ -33,50 +37,82 @@ data = tokenize_rows(tokenizer, rows, training_template(model_dir, tokenizer), 1
 cfg = SFTRunConfig(dataset="x", device="cpu", total_steps=4, batch_size=2, learning_rate=1e-3, max_length=128,
                    deepspeed=stage, warmup_ratio=0.0)
 run = RunDir(logs, stage or "plain")
-model = AutoModelForCausalLM.from_pretrained(model_dir)
-trainer = SFTTrainer(model=model, args=trainer_args(cfg, run.checkpoints), train_dataset=Dataset.from_dict(data),
-                     processing_class=tokenizer, callbacks=[MetricsCallback(run)])
+trainer = SFTTrainer(model=str(model_dir), args=trainer_args(cfg, run.checkpoints),
+                     train_dataset=Dataset.from_dict(data), processing_class=tokenizer,
+                     callbacks=[MetricsCallback(run)])
 trainer.train()
 engine = trainer.model_wrapped
 stage = engine.zero_optimization_stage() if type(engine).__name__ == "DeepSpeedEngine" else None
 offload = bool(stage and engine.zero_offload_optimizer() and engine.zero_offload_optimizer().device != "none")
-print("ENGINE " + json.dumps([type(engine).__name__, stage, offload]))
+params = list(trainer.model.parameters())
+held = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+share = held / sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3: this rank's part of the weights.
+facts = {"engine": type(engine).__name__, "stage": stage, "offload": offload, "ranks": trainer.args.world_size,
+         "share": round(share, 2)}
+print(f"ENGINE {os.environ.get('RANK', '0')} " + json.dumps(facts))
 print("LOSSES " + json.dumps([m["loss"] for m in run.read_metrics() if "loss" in m]))
 """
 
 
-def _losses(tiny_model: Path, stage: str, tmp_path: Path) -> tuple[list[float], list]:
+def _run(command: list[str], env: dict[str, str], tmp_path: Path) -> tuple[list[float], list[dict]]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    script = tmp_path / "run_sft.py"
+    script.write_text(_RUN)
+    result = subprocess.run([*command, str(script), *env.pop("ARGS").split("|")], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=900, cwd=ROOT)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("LOSSES ", "ENGINE "))]
+    losses = [json.loads(text) for kind, text in lines if kind == "LOSSES"]
+    engines = [json.loads(text.split(" ", 1)[1]) for kind, text in lines if kind == "ENGINE"]
+    return losses[0], engines  # Only rank 0 logs losses.
+
+
+def _losses(tiny_model: Path, stage: str, tmp_path: Path) -> tuple[list[float], dict]:
     env = {
-        **os.environ,
         "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
         "TORCH_EXTENSIONS_DIR": str(Path.home() / ".cache" / "flywheel" / "torch_extensions"),
+        "ARGS": f"{tiny_model}|{stage}|{tmp_path}",
     }  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "-c", _RUN, str(tiny_model), stage, str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=900, cwd=Path(__file__).resolve().parents[2],
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines()
-             if line.startswith(("LOSSES ", "ENGINE "))}  # fmt: skip
-    return lines["LOSSES"], lines["ENGINE"]
+    losses, (engine,) = _run([sys.executable], env, tmp_path)
+    return losses, engine
+
+
+def _launched(tiny_model: Path, stage: str, tmp_path: Path) -> tuple[list[float], list[dict]]:
+    """The same run as two ranks, launched as `flywheel train --gpus 2` launches them."""
+    command = launcher(SFTRunConfig(dataset="x", deepspeed=None if stage == "none" else stage), 2)
+    env = {"MASTER_PORT": str(free_port()), "ARGS": f"{tiny_model}|{stage}|{tmp_path}"}
+    return _run([*command, "--main_process_port", env["MASTER_PORT"]], env, tmp_path)
 
 
 @pytest.fixture(scope="module")
 def plain(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     losses, engine = _losses(tiny_model, "none", tmp_path_factory.mktemp("plain"))
-    assert len(losses) == 4 and losses[-1] < losses[0] and engine[0] != "DeepSpeedEngine"
+    assert len(losses) == 4 and losses[-1] < losses[0] and engine["engine"] != "DeepSpeedEngine"
     return losses
 
 
 def _check_stage(tiny_model: Path, tmp_path: Path, plain: list[float], stage: str, expected: list) -> None:
     losses, engine = _losses(tiny_model, stage, tmp_path)
-    assert engine == ["DeepSpeedEngine", *expected], stage  # The ZeRO engine ran, at the configured stage.
+    assert [engine["engine"], engine["stage"], engine["offload"]] == ["DeepSpeedEngine", *expected], stage
     assert losses == pytest.approx(plain, rel=1e-4), stage
 
 
 def test_zero3_runs_the_engine_and_matches_a_plain_run(tiny_model: Path, tmp_path: Path, plain: list[float]) -> None:
     """The stratified sample: stage 3, the sharding a multi-GPU round uses unless told otherwise."""
     _check_stage(tiny_model, tmp_path, plain, "zero3", [3, False])
+
+
+def test_zero3_in_two_processes_shards_the_weights_and_matches_two_plain_ranks(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    ddp, plain_ranks = _launched(tiny_model, "none", tmp_path / "ddp")
+    zero3, ranks = _launched(tiny_model, "zero3", tmp_path / "zero3")
+    assert [r["ranks"] for r in plain_ranks] == [2, 2] and len(ddp) == 4
+    assert len(ranks) == 2
+    for rank in ranks:
+        assert rank["engine"] == "DeepSpeedEngine" and rank["stage"] == 3 and rank["ranks"] == 2
+        assert rank["share"] == pytest.approx(0.5, abs=0.02)  # Each rank holds half the weights.
+    assert zero3 == pytest.approx(ddp, rel=1e-4)  # ZeRO-3 is data parallelism: the same steps.
 
 
 @pytest.mark.sweep

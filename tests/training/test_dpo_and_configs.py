@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -89,25 +90,32 @@ def test_train_cli_dry_run_and_config_errors(tmp_path: Path) -> None:
         load_config(SFTRunConfig, tmp_path / "missing.yaml")
 
 
+def half_solving(started: list[str]) -> Callable[[str], str]:
+    """A reply script for file_stats: of each two rollouts started, the first solves the task as the oracle
+    does and the second gives up; `started` collects each rollout's first prompt."""
+    from tests.training.test_grpo import _count_lines_like_the_oracle
+
+    def reply(conversation: str) -> str:
+        if "<tools>" in conversation and "<tool_response>" not in conversation:  # A start, not the judge's prompt.
+            started.append(conversation)
+            if len(started) % 2 == 0:
+                return "I cannot do this."
+        return _count_lines_like_the_oracle(conversation)
+
+    return reply
+
+
 def test_online_dpo_pairs_the_best_and_worst_rollout_of_each_group(tiny_model: Path) -> None:
     """Pairs sampled with the env's own loop and verifier: one rollout of each group solves the task, one gives up."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from flywheel.training.dpo import sample_pairs
-    from tests.training.test_grpo import _count_lines_like_the_oracle, _script_generation
-
-    starts = iter(range(1000))
-
-    def half_solve(conversation: str) -> str:
-        starting = "<tools>" in conversation and "<tool_response>" not in conversation  # Not the judge's prompt.
-        if starting and next(starts) % 2:
-            return "I cannot do this."
-        return _count_lines_like_the_oracle(conversation)
+    from tests.training.test_grpo import _script_generation
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    _script_generation(model, tokenizer, half_solve)
+    _script_generation(model, tokenizer, half_solving([]))
     cfg = DPORunConfig(envs=["file_stats"], num_tasks=2, num_rollouts_per_task=2, batch_size=2, device="cpu")
     pairs = sample_pairs(cfg, model, tokenizer, tiny_model)
     assert len(pairs) == 2
@@ -122,3 +130,17 @@ def test_online_dpo_without_any_reward_gap_fails_clearly(model_store: ArtifactSt
                        max_completion_length=8, max_agent_turns=1, logs_root=str(tmp_path))  # fmt: skip
     with pytest.raises(ValueError, match=r"online sampling on \['file_stats'\] gave no preference pairs"):
         run_training(cfg, model_store)
+
+
+def test_online_dpo_samples_on_the_ranks_device_in_the_served_dtype(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not on the CPU in fp32 where the weights load: a GPU rank samples on its own GPU, as vLLM would serve."""
+    import torch
+
+    from flywheel.training import dpo
+    from flywheel.training.device import DeviceSettings
+
+    monkeypatch.setattr(dpo, "this_device", lambda: torch.device("meta"))  # Stands in for `cuda:<local rank>`.
+    model = dpo.sampling_policy(tiny_model, DeviceSettings.for_device("cuda"))
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("meta", torch.bfloat16)}

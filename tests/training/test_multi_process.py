@@ -1,10 +1,12 @@
 """Two training processes on CPU (gloo), launched as on a multi-GPU machine (`launch_command`: accelerate,
-one process per device): SFT, DPO and GRPO each store exactly one checkpoint with every model file and
-write one run folder, and an SFT run whose ranks are both SIGKILLed resumes from its last step checkpoint."""
+one process per device): SFT (plain and ZeRO-3), DPO and GRPO each store exactly one checkpoint, with every
+model file and whole weights, and write one run folder; an SFT run whose ranks are both SIGKILLed resumes
+from its last step checkpoint; online DPO samples each task on one rank and trains every rank on all pairs."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -12,15 +14,19 @@ from pathlib import Path
 import pytest
 
 from flywheel.data import ArtifactStore
-from flywheel.training.launch import kill_tree, launch_command
+from flywheel.training.dpo import DPORunConfig
+from flywheel.training.launch import kill_tree, launch_command, launcher
 from flywheel.training.registry import load_run_config
 from tests.training.test_dpo_and_configs import _pair
 from tests.training.test_sft import conversation
 
-CONFIGS = Path(__file__).resolve().parents[2] / "training" / "configs"
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "training" / "configs"
 MODEL_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
 RUNS = {
     "sft": ("sft_tiny.yaml", ["total_steps=2", "batch_size=2", "max_length=256"]),
+    "sft_zero3": ("sft_tiny.yaml", ["total_steps=2", "batch_size=2", "max_length=256", "deepspeed=zero3",
+                                    "output_name=sft-zero3"]),
     "dpo": ("dpo_tiny.yaml", ["total_steps=2", "batch_size=2"]),
     "grpo": ("grpo_tiny.yaml", ["total_steps=1", "batch_size=2", "num_rollouts_per_task=2", "num_tasks=4",
                                 "max_agent_turns=2", "max_completion_length=64"]),
@@ -40,9 +46,9 @@ def store(tiny_model: Path, model_store: ArtifactStore, tmp_path_factory: pytest
     return store
 
 
-def _launch(store: ArtifactStore, algorithm: str, logs: Path, extra: list[str] = ()) -> list[str]:
-    config, overrides = RUNS[algorithm]
-    cfg = load_run_config(str(CONFIGS / config), [*overrides, *extra], default=algorithm)
+def _launch(store: ArtifactStore, run: str, logs: Path, extra: list[str] = ()) -> list[str]:
+    config, overrides = RUNS[run]
+    cfg = load_run_config(str(CONFIGS / config), [*overrides, *extra], default=run.split("_")[0])
     return launch_command(cfg, str(CONFIGS / config), 2, [*overrides, *extra, f"logs_root={logs}"], store.url)
 
 
@@ -50,20 +56,29 @@ def _stored(store: ArtifactStore, name: str) -> list[str]:
     return [m.id for m in store.list("checkpoint") if m.name == name]
 
 
-@pytest.mark.parametrize("algorithm", sorted(RUNS))
+@pytest.mark.parametrize("run", sorted(RUNS))
 def test_two_ranks_store_one_checkpoint_and_write_one_run_folder(
-    store: ArtifactStore, tmp_path: Path, algorithm: str
+    store: ArtifactStore, tiny_model: Path, tmp_path: Path, run: str
 ) -> None:
-    name = "rl" if algorithm == "grpo" else algorithm
-    before = _stored(store, name)
-    done = subprocess.run(_launch(store, algorithm, tmp_path), capture_output=True, text=True, timeout=900)
+    cfg = load_run_config(str(CONFIGS / RUNS[run][0]), RUNS[run][1], default=run.split("_")[0])
+    before = _stored(store, cfg.output_name)
+    done = subprocess.run(_launch(store, run, tmp_path), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    added = [i for i in _stored(store, name) if i not in before]
+    added = [i for i in _stored(store, cfg.output_name) if i not in before]
     assert len(added) == 1  # Not one per rank.
-    (run,) = tmp_path.glob("run-*")  # Both ranks in one folder.
-    final = run / "checkpoints" / "final"
+    (folder,) = tmp_path.glob("run-*")  # Both ranks in one folder.
+    final = folder / "checkpoints" / "final"
     assert {p.name for p in final.iterdir()} >= MODEL_FILES
-    assert store.manifest(added[0]).metrics["steps"] == int(RUNS[algorithm][1][0].split("=")[1])
+    assert store.manifest(added[0]).metrics["steps"] == cfg.total_steps
+    stored = store.read_bytes(added[0], "model.safetensors")
+    assert _shapes(stored) == _shapes((tiny_model / "model.safetensors").read_bytes())
+
+
+def _shapes(weights: bytes) -> dict[str, list[int]]:
+    """Every tensor's shape: a ZeRO-3 rank's own shard, saved as if it were the model, has empty tensors."""
+    from safetensors.torch import load
+
+    return {name: list(tensor.shape) for name, tensor in load(weights).items()}
 
 
 def test_both_ranks_killed_the_run_resumes_from_its_last_step_checkpoint(store: ArtifactStore, tmp_path: Path) -> None:
@@ -91,3 +106,34 @@ def test_both_ranks_killed_the_run_resumes_from_its_last_step_checkpoint(store: 
     (run,) = (tmp_path / "second").glob("run-*")
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in logged if "loss" in m] == list(range(1, 21))  # The killed run's steps, then the rest.
+
+
+_SAMPLE = """
+import json, os, sys
+from transformers import AutoTokenizer
+from flywheel.training.device import DeviceSettings
+from flywheel.training.dpo import DPORunConfig, sample_pairs, sampling_policy
+from tests.training.test_dpo_and_configs import half_solving
+from tests.training.test_grpo import _script_generation
+
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+model = sampling_policy(sys.argv[1], DeviceSettings.for_device("cpu"))
+started = []
+_script_generation(model, tokenizer, half_solving(started))
+cfg = DPORunConfig(envs=["file_stats"], num_tasks=4, num_rollouts_per_task=2, batch_size=2, device="cpu")
+pairs = sample_pairs(cfg, model, tokenizer, sys.argv[1])
+print("RANK " + json.dumps({"started": len(started), "pairs": [p["meta"]["item_id"] for p in pairs]}))
+"""
+
+
+def test_online_dpo_ranks_sample_a_share_of_the_tasks_and_train_on_every_pair(tiny_model: Path, tmp_path: Path) -> None:
+    script = tmp_path / "sample.py"
+    script.write_text(_SAMPLE)
+    command = [*launcher(DPORunConfig(), 2), str(script), str(tiny_model)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads(line[5:]) for line in done.stdout.splitlines() if line.startswith("RANK ")]
+    assert [rank["started"] for rank in ranks] == [4, 4]  # Two of the four tasks each, two rollouts a task.
+    assert ranks[0]["pairs"] == ranks[1]["pairs"]  # One dataset, so the ranks take the same number of steps.
+    assert len(set(ranks[0]["pairs"])) == 4  # A pair from every task, none twice.
