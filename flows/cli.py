@@ -36,6 +36,7 @@ from flywheel.flows.fast_malloc import reexec_with_fast_malloc
 from flywheel.inference import ModelServer, ServerConfig, ServerError, build_command, chat
 from flywheel.training import BUILTIN_MODELS, ModelError, prepare_model, resolve_model
 from flywheel.training.config import ConfigError
+from flywheel.training.launch import Machines, launch_command
 from flywheel.training.models import default_cache_dir
 from flywheel.training.registry import ALGORITHMS, load_run_config, run_training
 
@@ -288,15 +289,28 @@ Overrides = Annotated[list[str] | None, typer.Argument(help="key=value overrides
 
 GpusOption = Annotated[int, typer.Option(help="Launch on this many GPUs with accelerate (ZeRO / FSDP per config).")]
 DryRunOption = Annotated[bool, typer.Option(help="Print the multi-GPU launch command and exit.")]
+NodesOption = Annotated[int, typer.Option(help="Machines the run spans, `--gpus` each; run this on every one.")]
+NodeRankOption = Annotated[int, typer.Option(help="This machine's number, 0 to nodes-1 (0 hosts the rendezvous).")]
+MainAddressOption = Annotated[str, typer.Option(help="Machine 0's address, as every machine reaches it.")]
+MainPortOption = Annotated[int, typer.Option(help="The rendezvous port on machine 0.")]
 
 
 def _train_command(algorithm: str | None) -> Callable[..., None]:
     """The `flywheel train` command of `algorithm` (None: the one the config names, GRPO by default)."""
 
     def command(
-        config: ConfigOption, overrides: Overrides = None, gpus: GpusOption = 1, dry_run: DryRunOption = False
+        config: ConfigOption,
+        overrides: Overrides = None,
+        gpus: GpusOption = 1,
+        nodes: NodesOption = 1,
+        node_rank: NodeRankOption = 0,
+        main_address: MainAddressOption = "127.0.0.1",
+        main_port: MainPortOption = 29500,
+        dry_run: DryRunOption = False,
     ) -> None:
-        _train(algorithm, config, overrides, gpus, dry_run)
+        if not 0 <= node_rank < nodes:
+            raise ConfigError(f"--node-rank {node_rank} is not one of the {nodes} machines (0 to {nodes - 1})")
+        _train(algorithm, config, overrides, gpus, dry_run, Machines(nodes, node_rank, main_address, main_port))
 
     return command
 
@@ -313,15 +327,16 @@ def add_train_commands(group: typer.Typer) -> None:
 add_train_commands(train_app)
 
 
-def _train(algorithm: str | None, config: Path, overrides: list[str] | None, gpus: int, dry_run: bool) -> None:
-    """Load the config its algorithm names (flywheel.training.registry); run it here, or launched on `gpus` GPUs."""
-    from flywheel.training.launch import launch_command
-
+def _train(
+    algorithm: str | None, config: Path, overrides: list[str] | None, gpus: int, dry_run: bool, machines: Machines
+) -> None:
+    """Load the config its algorithm names (flywheel.training.registry); run it here, or launched on `gpus` GPUs
+    of each of `machines`."""
     cfg = load_run_config(config, overrides, default=algorithm or "grpo")
     if algorithm and cfg.algorithm != algorithm:
         raise ConfigError(f"{config} is a {cfg.algorithm} config: run `flywheel train {cfg.algorithm}` with it")
-    if gpus > 1 or dry_run:
-        command = launch_command(cfg, str(config), gpus, overrides or [], state.store_url)
+    if gpus > 1 or machines.count > 1 or dry_run:
+        command = launch_command(cfg, str(config), gpus, overrides or [], state.store_url, machines)
         if dry_run:
             console.print(" ".join(command), soft_wrap=True, highlight=False)
             return
@@ -521,6 +536,7 @@ def run_round(
     if show_config:
         _write(config_yaml(cfg))
         return
+    cfg.check_one_machine()
     from flywheel.flows.flywheel import flywheel  # Prefect configures logging on import: routed after it.
     from flywheel.flows.results import results_table
 

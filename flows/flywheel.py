@@ -55,6 +55,7 @@ def flywheel(
     """
     log = get_run_logger()
     p = config or load_round_config(profile)
+    p.check_one_machine()
     store = ArtifactStore(store_url)
     cached_stage = run_stage.with_options(result_storage=result_storage(store))
     common = {"store_url": store.root_url, "config": p}  # Absolute: cache keys must not depend on the cwd.

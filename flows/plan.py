@@ -7,16 +7,20 @@ so what it prints is what a round on that device does.
 
 from __future__ import annotations
 
+import json
+import shlex
 from typing import Any
 
+from flywheel.data.store import STORE_ENV
 from flywheel.flows import work
+from flywheel.flows.infra import H100_TEMPLATE
 from flywheel.flows.round_config import RoundConfig
 from flywheel.flows.stages import STAGES
 from flywheel.inference import build_command
 from flywheel.training.config import ConfigError
 from flywheel.training.device import DeviceSettings, resolve_device
 from flywheel.training.grpo import grpo_kwargs
-from flywheel.training.launch import launch_command
+from flywheel.training.launch import Machines, launch_command
 from flywheel.training.memory import GB, model_shape, serving_memory, summary
 from flywheel.training.sft import sft_kwargs
 
@@ -47,6 +51,8 @@ def round_plan(config: RoundConfig, profile: str | None = None) -> dict[str, Any
             "trainer_args": kwargs,
             "launch": launch_command(cfg, f"<{name} config>.yaml", max(1, p.gpus)) if work.launched(cfg, p) else None,
         }
+        if p.nodes > 1:
+            stages[name]["machines"] = _machines(name, cfg, p)
     stages["rl"]["generation"] = f"vllm {rl.vllm_mode}" if rl.vllm() else "in-process (transformers generate)"
     stages["evaluate"] |= _served(server, settings) | {**p.eval.model_dump(), "max_agent_turns": p.max_agent_turns}
     lm_eval = work.lm_eval_config(work.LMEvalParams(**common, model=f"model/{p.model}", name="lm-eval-r1"))
@@ -81,6 +87,42 @@ def _memory(p: RoundConfig, stages: dict[str, dict[str, Any]], trained: dict[str
             f"{memory['terms_gb'][memory['largest']]} GB): lower its batch_size, spread the model over more GPUs "
             "(gpus, deepspeed: zero3) or pick a smaller one"
         )
+
+
+def _machines(name: str, cfg: Any, p: RoundConfig) -> dict[str, Any]:
+    """A training stage across `p.nodes` machines: each one's launch, and the Kubernetes objects that run
+    them (an Indexed Job, a pod per machine whose index is its machine rank, and the headless Service
+    that gives pod 0 the address every launcher meets at)."""
+    job, config, gpus = f"flywheel-{name}", f"<{name} config>.yaml", max(1, p.gpus)
+    lines = [launch_command(cfg, config, gpus, machines=Machines(p.nodes, rank, "<machine 0 address>"))
+             for rank in range(p.nodes)]  # fmt: skip
+    pod = launch_command(cfg, config, gpus, machines=Machines(p.nodes, 0, f"{job}-0.{job}"))
+    pod[pod.index("--machine_rank") + 1] = "$JOB_COMPLETION_INDEX"
+    shell = " ".join(part if part.startswith("$") else shlex.quote(part) for part in pod)
+    variables = json.loads(H100_TEMPLATE.read_text())["variables"]["properties"]  # The h100 pool's pod defaults.
+    defaults = {key: variable.get("default") for key, variable in variables.items()}
+    resources = {"nvidia.com/gpu": gpus, "cpu": defaults["cpu_request"], "memory": defaults["memory_request"]}
+    service = {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": job},
+        "spec": {"clusterIP": "None", "selector": {"job-name": job}, "ports": [{"port": Machines().port}]},
+    }  # fmt: skip
+    container = {
+        "name": "train", "image": defaults["image"], "command": ["sh", "-c", shell],
+        "env": [{"name": STORE_ENV, "value": "<store url>"}],
+        "resources": {"requests": resources, "limits": resources},
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+    }  # fmt: skip
+    pods = {
+        "subdomain": job, "restartPolicy": "Never", "containers": [container],
+        "nodeSelector": {"nvidia.com/gpu.product": defaults["gpu_product"]},
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": defaults["shm_size"]}}],
+    }  # fmt: skip
+    indexed = {
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": job},
+        "spec": {"completionMode": "Indexed", "completions": p.nodes, "parallelism": p.nodes, "backoffLimit": 0,
+                 "template": {"spec": pods}},
+    }  # fmt: skip
+    return {"count": p.nodes, "gpus_each": gpus, "launch": lines, "kubernetes": [service, indexed]}
 
 
 def _placement(name: str, p: RoundConfig, settings: DeviceSettings) -> dict[str, Any]:

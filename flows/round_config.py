@@ -202,6 +202,12 @@ class RoundConfig(BaseModel):
         ge=0,
         description="GPUs a GPU stage uses (slots of the `gpu` concurrency limit; >1 launches accelerate).",
     )
+    nodes: int = Field(
+        default=1,
+        ge=1,
+        description="Machines a training stage spans, `gpus` GPUs each. Above 1 it is a plan: `flywheel plan` "
+        "prints each machine's `flywheel train --nodes` launch and a Kubernetes Job for them; a round refuses it.",
+    )
     gpu_memory_gb: float = Field(
         default=80.0,
         gt=0,
@@ -311,13 +317,23 @@ class RoundConfig(BaseModel):
     def memory_estimate(self, stage: str, fields: dict[str, Any], shape: ModelShape) -> dict[str, float]:
         """Bytes per GPU, by term, of the `sft` or `rl` stage run with these run-config fields on CUDA,
         for a model of `shape` (`training.memory.model_shape` of the round's model)."""
-        common = {"gpus": max(1, self.gpus), "zero": fields["deepspeed"], "micro_batch": fields["batch_size"]}
+        ranks = max(1, self.gpus) * self.nodes  # ZeRO shards over every GPU of every machine.
+        common = {"gpus": ranks, "zero": fields["deepspeed"], "micro_batch": fields["batch_size"]}
         if stage == "sft":
             return training_memory(shape, **common, seq_len=fields["max_length"], logits=True)
         return training_memory(
             shape, **common, seq_len=fields["max_completion_length"] + RL_PROMPT_TOKENS, logits=False,
             reference=fields["kl_beta"] > 0, vllm_bytes=VLLM_COLOCATED_SHARE * self.gpu_memory_gb * GB,
         )  # fmt: skip
+
+    def check_one_machine(self) -> None:
+        """A round runs its stages on one machine each: `nodes` above 1 is for `flywheel plan` (ConfigError)."""
+        if self.nodes > 1:
+            raise ConfigError(
+                f"nodes={self.nodes}: a round trains on one machine; train across machines with `flywheel train "
+                "<algorithm> --nodes N --node-rank R --main-address ADDR` on each (`flywheel plan` prints the "
+                "lines and a Kubernetes Job)"
+            )
 
     def env_categories(self, env: str) -> list[str] | None:
         """The categories of `env` this round covers (None: all of them, or an env without categories)."""

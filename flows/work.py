@@ -222,7 +222,7 @@ def rl(params: RLParams, callbacks: list[Any] | None = None) -> Manifest:
 def launched(cfg: TrainConfig, config: RoundConfig) -> bool:
     """Whether a training stage runs as an `accelerate launch` child: on several GPUs, and wherever GRPO
     generates with vLLM, which lives in the GPU runtime (requirements/gpu.txt), not in Prefect's environment."""
-    return config.gpus > 1 or (isinstance(cfg, GRPORunConfig) and cfg.vllm())
+    return config.gpus > 1 or config.nodes > 1 or (isinstance(cfg, GRPORunConfig) and cfg.vllm())
 
 
 def _train(cfg: TrainConfig, params: StageParams, callbacks: list[Any] | None) -> Manifest:

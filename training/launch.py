@@ -12,6 +12,7 @@ import signal
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -73,10 +74,30 @@ def kill_tree(pid: int) -> None:
             process.kill()
 
 
-def launcher(cfg: TrainConfig, num_gpus: int) -> list[str]:
-    """`accelerate launch` and its options for `num_gpus` processes sharded as `cfg` says (ZeRO, FSDP or
-    plain DDP); the program to run follows."""
-    command = [*accelerate_cli(), "--num_processes", str(num_gpus), "--num_machines", "1"]
+@dataclass(frozen=True)
+class Machines:
+    """The machines one training run spans: `count` of them, this one number `rank`; every machine's
+    launcher meets machine 0 at `address:port` (torch's static rendezvous)."""
+
+    count: int = 1
+    rank: int = 0
+    address: str = "127.0.0.1"
+    port: int = 29500
+
+    def options(self) -> list[str]:
+        """`accelerate launch`'s machine options (none on one machine)."""
+        if self.count == 1:
+            return []
+        return ["--machine_rank", str(self.rank), "--main_process_ip", self.address,
+                "--main_process_port", str(self.port)]  # fmt: skip
+
+
+def launcher(cfg: TrainConfig, num_gpus: int, machines: Machines = Machines()) -> list[str]:
+    """`accelerate launch` and its options for `num_gpus` processes on each of `machines`, sharded as `cfg`
+    says (ZeRO, FSDP or plain DDP); the program to run follows."""
+    processes = num_gpus * machines.count
+    command = [*accelerate_cli(), "--num_processes", str(processes), "--num_machines", str(machines.count)]
+    command += machines.options()
     if cfg.deepspeed:
         command += [
             "--config_file",
@@ -84,21 +105,29 @@ def launcher(cfg: TrainConfig, num_gpus: int) -> list[str]:
             "--deepspeed_config_file",
             str(DEEPSPEED_DIR / f"{cfg.deepspeed}.json"),
         ]
+        if machines.count > 1:  # Each machine runs its own launcher (torchrun), not DeepSpeed's pdsh over ssh.
+            command += ["--deepspeed_multinode_launcher", "standard"]
     elif cfg.fsdp:
         command += ["--config_file", str(DEEPSPEED_DIR / "accelerate_fsdp.yaml")]
-    elif num_gpus > 1:
+    elif processes > 1:
         command.append("--multi_gpu")
     return command
 
 
 def launch_command(
-    cfg: TrainConfig, config_file: str, num_gpus: int, overrides: Sequence[str] = (), store_url: str | None = None
+    cfg: TrainConfig,
+    config_file: str,
+    num_gpus: int,
+    overrides: Sequence[str] = (),
+    store_url: str | None = None,
+    machines: Machines = Machines(),
 ) -> list[str]:
     """The `accelerate launch` argv that trains `cfg` (saved as `config_file`, plus `key=value` overrides)
-    on `num_gpus` GPUs, saving into `store_url` (None: the launched process's own default); pure: nothing runs."""
+    on `num_gpus` GPUs of each of `machines` (this one's command), saving into `store_url` (None: the
+    launched process's own default); pure: nothing runs."""
     store = ["--store", store_url] if store_url else []
     train = ["train", cfg.algorithm, "--config", config_file, *overrides]
-    return [*launcher(cfg, num_gpus), "-m", "flywheel.flows.cli", *store, *train]
+    return [*launcher(cfg, num_gpus, machines), "-m", "flywheel.flows.cli", *store, *train]
 
 
 def launch(cfg: TrainConfig, store: ArtifactStore, num_gpus: int) -> Manifest:

@@ -1,8 +1,12 @@
-"""`flywheel plan`: the h100 plan is a GPU plan, the cpu plan a CPU one, built from the stages' own configs."""
+"""`flywheel plan`: the h100 plan is a GPU plan, the cpu plan a CPU one, built from the stages' own configs;
+a plan across machines shows each machine's launch and the Kubernetes objects, which a round refuses to run."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -116,3 +120,41 @@ def test_grpo_on_vllm_is_launched_in_the_gpu_runtime_even_on_one_gpu() -> None:
     assert plan["stages"]["rl"]["launch"][:5] == [*accelerate_cli(), "--num_processes", "8"]
     quick = load_round_config("quick", overrides=["device=cpu"])
     assert not work.launched(work.rl_config(work.RLParams(round_no=1, config=quick, policy="p")), quick)
+
+
+def _option(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def test_two_h100_machines_plan_a_launch_per_machine_and_a_kubernetes_job() -> None:
+    """2 × 8 H100: each machine's accelerate launch (16 ranks, DeepSpeed's own per-machine launcher), an
+    Indexed Job whose pod index is the machine rank, meeting at pod 0 through a headless Service; ZeRO
+    shards over 16 GPUs, so each holds less optimizer state than on one machine."""
+    one = plan_of("h100")["stages"]["sft"]
+    two = round_plan(load_round_config("h100", overrides=["nodes=2"]), "h100")["stages"]["sft"]
+    machines = two["machines"]
+    assert machines["count"] == 2 and machines["gpus_each"] == 8 and "machines" not in one
+    for rank, command in enumerate(machines["launch"]):
+        assert command[: len(accelerate_cli())] == accelerate_cli()
+        assert (_option(command, "--num_processes"), _option(command, "--num_machines")) == ("16", "2")
+        assert _option(command, "--machine_rank") == str(rank)
+        assert _option(command, "--deepspeed_multinode_launcher") == "standard"  # Not pdsh over ssh.
+    service, job = machines["kubernetes"]
+    pods = job["spec"]["template"]["spec"]
+    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == job["spec"]["parallelism"] == 2
+    assert service["spec"]["clusterIP"] == "None" and pods["subdomain"] == service["metadata"]["name"]
+    (container,) = pods["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    shell = container["command"][-1]
+    assert "--machine_rank $JOB_COMPLETION_INDEX" in shell
+    assert f"--main_process_ip {job['metadata']['name']}-0.{service['metadata']['name']}" in shell  # Pod 0's name.
+    assert two["memory"]["terms_gb"]["optimizer state"] < one["memory"]["terms_gb"]["optimizer state"]
+
+
+def test_a_round_refuses_several_machines_before_it_starts(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "flywheel.flows.cli", "--store", str(tmp_path), "round", "--profile", "tiny", "nodes=2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1 and result.stderr.startswith("error: nodes=2: a round trains on one machine")
+    assert "log:" not in result.stdout  # Refused before any server or log started.

@@ -1,19 +1,22 @@
 """Two training processes on CPU (gloo), launched as on a multi-GPU machine (`launch_command`: accelerate,
 one process per device): SFT (plain and ZeRO-3), DPO and GRPO each store exactly one checkpoint, with every
 model file and whole weights, and write one run folder; an SFT run whose ranks are both SIGKILLed resumes
-from its last step checkpoint; online DPO samples each task on one rank and trains every rank on all pairs."""
+from its last step checkpoint; online DPO samples each task on one rank and trains every rank on all pairs;
+two "machines" on localhost (`flywheel train --nodes 2`) train one SFT run."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from flywheel.data import ArtifactStore
+from flywheel.inference import free_port
 from flywheel.training.dpo import DPORunConfig
 from flywheel.training.launch import kill_tree, launch_command, launcher
 from flywheel.training.registry import load_run_config
@@ -137,3 +140,30 @@ def test_online_dpo_ranks_sample_a_share_of_the_tasks_and_train_on_every_pair(ti
     assert [rank["started"] for rank in ranks] == [4, 4]  # Two of the four tasks each, two rollouts a task.
     assert ranks[0]["pairs"] == ranks[1]["pairs"]  # One dataset, so the ranks take the same number of steps.
     assert len(set(ranks[0]["pairs"])) == 4  # A pair from every task, none twice.
+
+
+def test_two_machines_on_localhost_train_one_sft_run(store: ArtifactStore, tiny_model: Path, tmp_path: Path) -> None:
+    """`flywheel train --nodes 2` on two "machines" (one process each, each its own logs folder, as its own
+    disk), meeting at machine 0's rendezvous: one run of two ranks, one checkpoint."""
+    config, overrides = RUNS["sft"]
+    port = free_port()
+
+    def machine(rank: int) -> subprocess.Popen[str]:
+        machines = ["--nodes", "2", "--node-rank", str(rank), "--main-address", "127.0.0.1", "--main-port", str(port)]
+        command = [sys.executable, "-m", "flywheel.flows.cli", "--store", store.url, "train", "sft", "--config",
+                   str(CONFIGS / config), *machines, *overrides, "output_name=sft-machines",
+                   f"logs_root={tmp_path / str(rank)}"]  # fmt: skip
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # fmt: skip
+
+    processes = [machine(0), machine(1)]
+    try:
+        outputs = [process.communicate(timeout=600)[0] for process in processes]
+    finally:
+        for process in processes:
+            kill_tree(process.pid)
+    assert [process.returncode for process in processes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    (stored,) = _stored(store, "sft-machines")
+    assert store.manifest(stored).metrics["device_count"] == 2  # One run of two ranks, not two runs of one.
+    assert store.manifest(stored).metrics["steps"] == 2
+    assert (tmp_path / "1").exists() and list((tmp_path / "0").glob("run-*/checkpoints/final"))
