@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -148,3 +149,16 @@ def _sample(task: str, record: dict[str, Any]) -> dict[str, Any]:
 def model_ref_of(store: ArtifactStore, spec: str) -> str | None:
     """The store id behind a model spec (None for plain directories)."""
     return store.try_resolve(f"model/{spec}", spec)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m flywheel.evaluation.lm_eval_runner CONFIG_JSON STORE_URL MODEL_DIR [MODEL_REF]`: one run in this
+    interpreter (a GPU stage runs it in the GPU runtime, where vLLM is); prints the eval artifact's id."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config, store_url, model_dir, *ref = sys.argv[1:] if argv is None else argv
+    cfg = LMEvalConfig.model_validate_json(Path(config).read_text())
+    print(run_lm_eval(cfg, ArtifactStore(store_url), Path(model_dir), ref[0] if ref else None).id)
+
+
+if __name__ == "__main__":
+    main()

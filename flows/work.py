@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -26,10 +28,11 @@ from flywheel.evaluation.report import build_report
 from flywheel.evaluation.weakness import CurriculumSpec, mine_to_store
 from flywheel.flows.round_config import RoundConfig
 from flywheel.inference import ModelServer, ServerConfig
+from flywheel.inference.server import gpu_python
 from flywheel.training.config import TrainConfig
 from flywheel.training.device import DeviceSettings
 from flywheel.training.grpo import GRPORunConfig
-from flywheel.training.launch import launch
+from flywheel.training.launch import launch, run_logged
 from flywheel.training.models import resolve_model
 from flywheel.training.registry import run_training
 from flywheel.training.sft import NoExampleFits, SFTRunConfig
@@ -246,10 +249,24 @@ def evaluate(params: EvaluateParams, progress: Progress | None = None) -> Manife
 
 @track_costs()
 def lm_eval(params: LMEvalParams) -> Manifest:
-    """The round's lm-eval tasks on the model: `hf` in this process on CPU, `vllm` on CUDA."""
+    """The round's lm-eval tasks on the model: `hf` in this process on CPU, `vllm` on CUDA in the GPU runtime
+    (vLLM is not in Prefect's environment)."""
     store = params.store()
     model_dir = resolve_model(params.model, store)
-    return run_lm_eval(lm_eval_config(params), store, model_dir, model_ref_of(store, params.model))
+    cfg, ref = lm_eval_config(params), model_ref_of(store, params.model)
+    if cfg.backend == "vllm":
+        return lm_eval_in_gpu_runtime(cfg, store, model_dir, ref)
+    return run_lm_eval(cfg, store, model_dir, ref)
+
+
+def lm_eval_in_gpu_runtime(cfg: LMEvalConfig, store: ArtifactStore, model_dir: Path, model_ref: str | None) -> Manifest:
+    """`run_lm_eval` as a child of the GPU runtime's Python (`FLYWHEEL_GPU_PYTHON`), its output in this log."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp, "lm_eval.json")
+        config.write_text(cfg.model_dump_json())
+        arguments = [str(config), store.url, str(model_dir), *([model_ref] if model_ref else [])]
+        run_logged([gpu_python(), "-m", "flywheel.evaluation.lm_eval_runner", *arguments])
+    return store.manifest(f"eval/{cfg.name}")
 
 
 def lm_eval_config(params: LMEvalParams) -> LMEvalConfig:

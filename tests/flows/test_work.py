@@ -1,13 +1,16 @@
-"""Stage work without Prefect: teachers for generation, and the inputs a round starts from."""
+"""Stage work without Prefect: teachers for generation, the inputs a round starts from, lm-eval on CUDA."""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from flywheel.data import ArtifactStore
+from flywheel.evaluation.lm_eval_runner import LMEvalConfig
 from flywheel.flows import work
 from flywheel.flows.flywheel import round_inputs
 from flywheel.flows.round_config import GenerateSection, load_round_config, profile
@@ -64,3 +67,26 @@ def test_an_sft_set_where_no_conversation_fits_passes_the_base_on(model_store: A
     base = model_store.resolve("model/tiny")
     params = work.SFTParams(store_url=model_store.url, config=config, base=base, dataset=data.id)
     assert work.sft(params).id == base
+
+
+def test_lm_eval_on_cuda_runs_in_the_gpu_runtime(
+    model_store: ArtifactStore, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM is not in Prefect's environment: on CUDA the stage runs lm-eval as a child of `FLYWHEEL_GPU_PYTHON`
+    (here an interpreter that notes it ran, then runs this one, with the hf backend: vLLM needs a GPU)."""
+    params = work.LMEvalParams(store_url=model_store.url, config=profile("tiny").model_copy(update={"device": "cuda"}),
+                               round_no=1, model="model/tiny", name="lm-eval-r1")  # fmt: skip
+    routed: list[str] = []
+    monkeypatch.setattr(work, "lm_eval_in_gpu_runtime", lambda cfg, *_: routed.append(cfg.backend))
+    work.lm_eval(params)
+    assert routed == ["vllm"]
+    monkeypatch.undo()
+    runtime = tmp_path / "gpu-python"
+    runtime.write_text(f'#!/bin/sh\necho ran >> {tmp_path / "ran"}\nexec {sys.executable} "$@"\n')
+    runtime.chmod(0o755)
+    monkeypatch.setenv("FLYWHEEL_GPU_PYTHON", str(runtime))
+    cfg = LMEvalConfig(limit=2, suite_size=4, tasks=["flywheel_tool_select"], name="lm-eval-child")
+    manifest = work.lm_eval_in_gpu_runtime(cfg, model_store, tiny_model, model_store.resolve("model/tiny"))
+    assert (tmp_path / "ran").read_text() == "ran\n" and manifest.name == "lm-eval-child"
+    assert model_store.read_json(manifest.id, "results.json")["results"]["flywheel_tool_select"]["acc,none"] >= 0
+    assert model_store.resolve("model/tiny") in manifest.parents
