@@ -65,6 +65,14 @@ def test_every_shipped_config_loads_and_documents_its_command(path: Path) -> Non
     cfg = load_run_config(path, default="sft" if path.name.startswith("sft") else "grpo")
     assert isinstance(cfg, ALGORITHMS[cfg.algorithm].config_class())
     assert cfg.algorithm == path.name.split("_")[0]
+    assert not cfg.report_to  # A tracker that needs a key (wandb) would stop a run on a fresh machine.
+
+
+def test_zero3_offload_keeps_torch_adam_not_deepspeeds_jit_built_one() -> None:
+    """DeepSpeedCPUAdam compiles with nvcc at the first step; the offload config keeps the Trainer's optimizer."""
+    offload = json.loads((CONFIGS[0].parent.parent / "deepspeed" / "zero3_offload.json").read_text())
+    assert offload["zero_force_ds_cpu_optimizer"] is False and "optimizer" not in offload
+    assert offload["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
 
 
 def test_launch_command_for_multi_gpu_sft() -> None:
