@@ -88,6 +88,7 @@ class AgentResult:
     completion_tokens: int = 0
     prompt_tokens: int = 0
     task_completed: bool | None = None
+    verify_error: str | None = None  # Why the verifier could not judge the agent's output (the task failed).
     key_decisions_hit: float = 0.0
 
     @property

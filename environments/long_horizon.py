@@ -9,6 +9,7 @@ Reward = committed milestones (partial credit) x efficiency of the step count.
 from __future__ import annotations
 
 import ast
+import asyncio
 import random
 import secrets
 from typing import Any, ClassVar
@@ -41,12 +42,21 @@ class LongHorizonEnv(TaskEnv):
 
     async def verify(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> bool:
         """Every milestone holds (the score is kept for `compute_reward`: partial credit)."""
-        ctx.state["milestones"] = milestone_score(item, ctx)
+        ctx.state["milestones"] = await asyncio.to_thread(milestone_score, item, ctx)  # Sandbox commands: off the loop.
         return ctx.state["milestones"] >= 1.0
 
     async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
         await self.completed(item, result, ctx)  # Runs `verify` (and so the milestones) if nobody has.
-        return ctx.state["milestones"] * efficiency(result.turns_used, tasks.STEP_BUDGET)
+        return ctx.state.get("milestones", 0.0) * efficiency(result.turns_used, tasks.STEP_BUDGET)
+
+
+_PINNED = " ".join(
+    f"-c {setting}"
+    for setting in (
+        "core.fsmonitor=false", "core.hooksPath=/dev/null", "core.untrackedCache=false", "core.fileMode=true",
+        "core.autocrlf=false", "core.excludesFile=/dev/null", "status.showUntrackedFiles=all",
+    )
+)  # fmt: skip
 
 
 def milestone_score(item: dict[str, Any], ctx: ToolContext) -> float:
@@ -54,11 +64,15 @@ def milestone_score(item: dict[str, Any], ctx: ToolContext) -> float:
     committed function in a child process, and junit reports of the committed tests.
 
     Runs after the agent's processes are dead. Git runs with the repo's fsmonitor and hooks
-    switched off, so the agent's `.git/config` cannot run code that fakes its output.
+    switched off, so the agent's `.git/config` cannot run code that fakes its output, and the tree
+    is compared with HEAD through a fresh index, with every setting that hides a change pinned, so
+    neither index flags (`--assume-unchanged`, `--skip-worktree`) nor the repo's config
+    (`status.showUntrackedFiles=no`, another `core.worktree`) make a dirty tree look clean.
     """
     answer = item["answer"]
-    git = "git -c core.fsmonitor=false -c core.hooksPath=/dev/null"
-    clean = ctx.terminal(f"{git} status --porcelain")
+    git = f"GIT_DIR=.git GIT_WORK_TREE=. GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null git {_PINNED}"
+    index = 'GIT_INDEX_FILE="$index"'  # A fresh index of HEAD, outside the tree: no flag of the agent's index.
+    clean = ctx.terminal(f"index=$(mktemp -u) && {index} {git} read-tree HEAD && {index} {git} status --porcelain")
     tracked = ctx.terminal(f"{git} ls-tree -r --name-only HEAD")
     if clean["exit_code"] != 0 or tracked["exit_code"] != 0:
         return 0.0  # No real repository or no commit: nothing counts.

@@ -11,6 +11,7 @@ line with `instance_id`, `repo_path` (a local git checkout), `base_commit`, `pro
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import shlex
@@ -60,19 +61,31 @@ class SWEBenchEnv(TaskEnv):
     async def verify(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> bool:
         """Every hidden check holds: generated tasks call the package's functions in a child process
         (`flywheel.environments.verify.calls`); a real instance's named tests must be reported passed in pytest's junit
-        report (never the exit code), beside a canary test that must fail."""
-        answer = item["answer"]
-        verify_dir = fresh_verify_dir(ctx)
-        if verify_dir is None:
+        report (never the exit code), beside a canary test that must fail. Its sandbox commands (up to two
+        minutes each) run off the event loop, so the other rollouts go on meanwhile."""
+        return await asyncio.to_thread(verify_hidden_checks, item, ctx)
+
+
+def verify_hidden_checks(item: dict[str, Any], ctx: ToolContext) -> bool:
+    """`SWEBenchEnv.verify`'s work, in the calling thread."""
+    answer = item["answer"]
+    verify_dir = fresh_verify_dir(ctx)
+    if verify_dir is None:
+        return False
+    if "test_files" in answer:  # A real instance: the hidden tests over the agent's, run the named ones.
+        if not restore_test_files(ctx, answer["test_files"]):
             return False
-        if "test_files" in answer:  # A real instance: the hidden tests over the agent's, run the named ones.
-            if not restore_test_files(ctx, answer["test_files"]):
-                return False
-            node_ids = answer["FAIL_TO_PASS"] + answer["PASS_TO_PASS"]
-            targets = " ".join(shlex.quote(n) for n in node_ids)
-            outcomes = run_pytest(ctx, targets, verify_dir, timeout=120, canary=True)
-            return outcomes.all_passed(expected=len(set(node_ids)))
-        return run_checks(ctx, answer["imports"], checks_from(answer["checks"]), verify_dir, ".", timeout=120)
+        node_ids = answer["FAIL_TO_PASS"] + answer["PASS_TO_PASS"]
+        targets = " ".join(shlex.quote(n) for n in node_ids)
+        hidden = [path for path, content in answer["test_files"].items() if content is not None and _is_test(path)]
+        outcomes = run_pytest(ctx, targets, verify_dir, timeout=120, canary=True, canary_in=hidden)
+        return outcomes.all_passed(expected=len(set(node_ids)))
+    return run_checks(ctx, answer["imports"], checks_from(answer["checks"]), verify_dir, ".", timeout=120)
+
+
+def _is_test(path: str) -> bool:
+    name = Path(path).name
+    return name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py"))
 
 
 class _ListStream:

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from flywheel.environments.agent_loop import AgentResult
@@ -31,7 +32,7 @@ class ToolUseChainEnv(TaskEnv):
     key_decisions = ("read_file", "write_file")
 
     async def verify(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> bool:
-        return tasks.verify(item, ctx.read_file)
+        return await asyncio.to_thread(tasks.verify, item, ctx.read_file)  # Sandbox reads: off the loop.
 
     async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
         """The reward template (docs/architecture.md): done = 1, less 0.01 per model call."""

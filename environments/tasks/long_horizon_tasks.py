@@ -8,10 +8,10 @@ into a fresh folder and judges that, so files that were never committed, a fake 
 from __future__ import annotations
 
 import random
-import tomllib
 from typing import Any
 
 from flywheel.environments.agent.policies import call, final
+from flywheel.environments.verify.untrusted import load_toml
 
 CATEGORIES = ("library", "cli_tool", "data_utils")
 MILESTONES = {"pyproject": 0.15, "readme": 0.10, "function": 0.30, "tests": 0.20, "committed": 0.25}
@@ -147,14 +147,14 @@ def _oracle(name: str, function: str, files: dict[str, str], example: str) -> li
 def pyproject_ok(text: str, answer: dict[str, Any]) -> bool:
     """The committed pyproject.toml names the project, lists its dependencies (and the CLI script)."""
     try:
-        project = tomllib.loads(text)["project"]
+        project = load_toml(text)["project"]
         deps = " ".join(project.get("dependencies", []))
         wanted = [d.split(">")[0].split("=")[0] for d in answer["deps"]]
         ok = project["name"] == answer["name"] and all(d in deps for d in wanted)
         if any(path.endswith("cli.py") for path in answer["required"]):
             ok = ok and bool(project["scripts"][answer["name"]])
         return ok
-    except (tomllib.TOMLDecodeError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError):  # Unjudgeable: hostile TOML is a failed milestone.
         return False
 
 

@@ -12,12 +12,12 @@ answers are checked with their types: a count is an integer and a total a number
 
 from __future__ import annotations
 
-import json
 import random
 from typing import Any
 
 from flywheel.environments.agent.policies import call, final
 from flywheel.environments.agent.tools import json_type_error
+from flywheel.environments.verify.untrusted import bounded_text, finite_number, load_json
 
 CATEGORIES = ("todo_report", "line_count", "csv_summary")
 _SIZE = {"easy": 3, "medium": 6, "hard": 10}
@@ -166,21 +166,22 @@ def _csv_summary(rng: random.Random, files: dict[str, str], difficulty: str) -> 
 
 
 def verify(item: dict[str, Any], read: Any) -> bool:
-    """Check the produced file against the ground truth; `read(path)` returns text or raises."""
+    """Check the produced file against the ground truth; `read(path)` returns text or raises. The file is
+    the agent's: read bounded (`verify.untrusted`), so a hostile one fails the task instead of the verifier."""
     answer = item["answer"]
     try:
         if item["category"] == "todo_report":
-            return _table_rows(read("report.md")) == [[f, int(n), t] for f, n, t in answer["rows"]]
+            return _table_rows(bounded_text(read("report.md"))) == [[f, int(n), t] for f, n, t in answer["rows"]]
         path, key = JSON_ANSWERS[item["category"]]
-        produced, expected = json.loads(read(path)), answer[key]
+        produced, expected = load_json(read(path)), answer[key]
         if item["category"] == "line_count":
             return json_type_error(produced, _COUNTS) is None and produced == expected
         return (
             json_type_error(produced, _TOTALS) is None
             and set(produced) == set(expected)
-            and all(abs(produced[k] - v) <= 0.011 for k, v in expected.items())
+            and all(abs(finite_number(produced[k]) - v) <= 0.011 for k, v in expected.items())
         )
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):  # Unjudgeable is a ValueError.
         return False
 
 

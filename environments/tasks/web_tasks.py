@@ -18,6 +18,7 @@ import random
 from typing import Any
 
 from flywheel.environments.agent.policies import call, final
+from flywheel.environments.verify.untrusted import Unjudgeable, finite_number
 from flywheel.environments.web.site import SIZES, catalog
 
 CATEGORIES = ("under_price", "cheapest", "lookup_price")
@@ -98,5 +99,9 @@ def verify(item: dict[str, Any], submitted: dict[str, Any] | None) -> bool:
         return len(valid) >= truth["count"] and len(valid) == len(ids)
     if ids != truth["ids"]:
         return False
-    price = submitted["price"]
-    return item["category"] != "lookup_price" or (price is not None and abs(price - truth["price"]) < 0.005)
+    if item["category"] != "lookup_price":
+        return True
+    try:
+        return abs(finite_number(submitted["price"]) - truth["price"]) < 0.005
+    except Unjudgeable:  # No price, or one such as 10**400 or NaN: not the answer.
+        return False

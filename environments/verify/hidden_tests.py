@@ -19,6 +19,7 @@ import logging
 import secrets
 import shlex
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flywheel.environments.errors import SandboxViolation
@@ -66,23 +67,32 @@ def write_verifier_file(ctx: ToolContext, path: str, content: str) -> bool:
 
 
 def run_pytest(
-    ctx: ToolContext, targets: str, verify_dir: str, cwd: str = ".", timeout: float = 120, canary: bool = False
+    ctx: ToolContext,
+    targets: str,
+    verify_dir: str,
+    cwd: str = ".",
+    timeout: float = 120,
+    canary: bool = False,
+    canary_in: Sequence[str] = (),
 ) -> JunitOutcomes:
     """Run pytest on `targets` (shell words, relative to `cwd`) and parse its junit report.
 
     Our own ini file (in `verify_dir`, from `fresh_verify_dir`) and rootdir, no conftest, no
     plugins, an isolated interpreter: nothing the agent wrote configures the run. `cwd` (a
     workspace folder) is the import root. With `canary`, a randomly named test that must fail runs
-    last: reported passed (or not at all), the agent's code tampered with pytest (a package that
-    stubs `runtest` makes every test pass), and no outcome counts.
+    beside the targets, in a file of its own and appended to each file of `canary_in` (the hidden
+    test files, paths relative to `cwd`): reported passed (or not at all), the agent's code tampered
+    with pytest (a package that stubs `runtest`, even only for the hidden tests' folder, makes the
+    canary beside them pass too), and no outcome counts.
     """
     verify = shlex.quote(f"{ctx.workspace}/{verify_dir}")
     report = f"{verify_dir}/report-{secrets.token_hex(8)}/junit.xml"
     canary_name = f"test_{secrets.token_hex(8)}"
     if canary:
-        if not write_verifier_file(ctx, f"{verify_dir}/{canary_name}.py", f"def {canary_name}():\n    assert False\n"):
+        planted = _plant_canaries(ctx, verify_dir, canary_name, [f"{cwd}/{path}" for path in canary_in])
+        if planted is None:
             return JunitOutcomes({})
-        targets += " " + shlex.quote(f"{ctx.workspace}/{verify_dir}/{canary_name}.py")
+        targets += "".join(f" {shlex.quote(f'{path}::{canary_name}')}" for path in planted)
     command = (
         f"cd {shlex.quote(cwd)} && python -I -m pytest -q -p no:cacheprovider --noconftest -c {verify}/pytest.ini "
         f'--rootdir={verify} -o pythonpath="$PWD" --junitxml={shlex.quote(f"{ctx.workspace}/{report}")} {targets}'
@@ -94,10 +104,27 @@ def run_pytest(
         return JunitOutcomes({})
     if canary:
         reported = [name for name in outcomes.results if name.endswith(f"::{canary_name}")]
-        if len(reported) != 1 or outcomes.results.pop(reported[0]):
-            logger.info("%s: the canary test passed or went missing: pytest was tampered with", ctx.task_id)
+        if len(reported) != 1 + len(canary_in) or any([outcomes.results.pop(name) for name in reported]):
+            logger.info("%s: a canary test passed or went missing: pytest was tampered with", ctx.task_id)
             return JunitOutcomes({})
     return outcomes
+
+
+def _plant_canaries(ctx: ToolContext, verify_dir: str, name: str, files: list[str]) -> list[str] | None:
+    """A failing test `name` in a file of its own and at the end of each of `files`; the paths to run it at
+    (None when the agent's workspace refuses a write: the task is not done)."""
+    body = f"\n\ndef {name}():\n    assert False\n"
+    own = f"{verify_dir}/{name}.py"
+    if not write_verifier_file(ctx, own, body.lstrip()):
+        return None
+    for path in files:
+        try:
+            text = ctx.read_file(path)
+        except (SandboxViolation, OSError, ValueError):
+            return None
+        if not write_verifier_file(ctx, path, text + body):
+            return None
+    return [f"{ctx.workspace}/{own}", *(path.removeprefix("./") for path in files)]
 
 
 def parse_junit(text: str) -> JunitOutcomes:

@@ -2,8 +2,12 @@
 
 `score_rollout` runs the env's `verify` (→ `AgentResult.task_completed`), counts its key
 decisions, then calls `compute_reward`, so a reward function can read the step-contract trajectory
-fields. The reward must be a finite number; one outside the env's declared `reward_range` is kept
-as given, logged as an error and counted (`rewards_out_of_range`), never silently clipped.
+fields. A verifier that raises on what the agent left (a file nested 100,000 deep, a number of 400
+digits) has judged a failed task: the verdict is False with the reason in `AgentResult.verify_error`
+(counted in `verifier_errors`), never an infra failure, which would drop the rollout and its group;
+`InfraError` and `OSError` (the sandbox's) still are. The reward must be a finite number; one
+outside the env's declared `reward_range` is kept as given, logged as an error and counted
+(`rewards_out_of_range`), never silently clipped.
 `_llm_judge` is the hermes-agent contract's judge (docs/architecture.md) on the env's own server.
 """
 
@@ -14,6 +18,7 @@ import math
 from typing import Any
 
 from flywheel.environments.agent_loop import AgentResult
+from flywheel.environments.errors import InfraError
 from flywheel.environments.tool_context import ToolContext
 from flywheel.environments.verify.rewards import judge_verdict, keyword_overlap
 
@@ -30,9 +35,13 @@ class RolloutScoring:
     `key_decisions`, `format_prompt` and `compute_reward`."""
 
     rewards_out_of_range = 0
+    verifier_errors = 0
 
     async def verify(self, item: Item, result: AgentResult, ctx: ToolContext) -> bool | None:
-        """Whether the task is done, judged on the sandbox's final state (None: the env has no verifier)."""
+        """Whether the task is done, judged on the sandbox's final state (None: the env has no verifier).
+
+        It runs on the event loop beside the other rollouts: sandbox commands and heavy parsing go in
+        `asyncio.to_thread` (the built-in envs do), or every rollout waits for them."""
         return None
 
     def key_decisions_made(self, item: Item, result: AgentResult) -> float:
@@ -59,7 +68,7 @@ class RolloutScoring:
 
     async def score_rollout(self, item: Item, result: AgentResult, ctx: ToolContext) -> float:
         """`verify`, key decisions, then `compute_reward`; a reward outside `reward_range` is logged and counted."""
-        result.task_completed = await self.verify(item, result, ctx)
+        result.task_completed = await self._verdict(item, result, ctx)
         result.key_decisions_hit = self.key_decisions_made(item, result)
         reward = await self.compute_reward(item, result, ctx)
         if not isinstance(reward, int | float) or not math.isfinite(reward):
@@ -73,6 +82,19 @@ class RolloutScoring:
                 self.name, reward, item.get("item_id"), self.reward_range, self.rewards_out_of_range,
             )  # fmt: skip
         return float(reward)
+
+    async def _verdict(self, item: Item, result: AgentResult, ctx: ToolContext) -> bool | None:
+        """`verify`; whatever the agent's output makes it raise is a failed task. `InfraError` and `OSError`
+        stay infra failures: the sandbox's (a verifier maps the errors an agent can cause to False itself)."""
+        try:
+            return await self.verify(item, result, ctx)
+        except (InfraError, OSError):
+            raise
+        except Exception as err:  # The agent's output, not our infrastructure, broke the verifier.
+            self.verifier_errors += 1
+            result.verify_error = f"{type(err).__name__}: {str(err)[:200]}"
+            logger.warning("%s: item %s failed verification: %s", self.name, item.get("item_id"), result.verify_error)
+            return False
 
     async def _llm_judge(self, item: Item, answer: str) -> float:
         """Grade `answer` against the item's reference with `self.server` in [0, 1].

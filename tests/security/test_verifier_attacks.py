@@ -161,6 +161,43 @@ def test_long_horizon_fsmonitor_hook_cannot_fake_a_clean_tree(tiny_model: Path) 
     assert _rewards(LongHorizonEnv, tiny_model, fake_clean, items=1) == honest_dirty
 
 
+HIDE_DIRT = {
+    "assume_unchanged": "echo edit >> README.md && git update-index --assume-unchanged README.md",
+    "skip_worktree": "echo edit >> README.md && git update-index --skip-worktree README.md",
+    "show_untracked_no": "echo dirty > uncommitted.txt && git config status.showUntrackedFiles no",
+    "both_of_the_red_team": "echo edit >> README.md && git update-index --assume-unchanged README.md && "
+    "echo dirty > uncommitted.txt && git config status.showUntrackedFiles no",
+    "excludes_file": "echo dirty > uncommitted.txt && echo '*.txt' > .git/hide && "
+    "git config core.excludesFile .git/hide",
+    "other_worktree": "mkdir -p .git/clean && git archive HEAD | tar -x -C .git/clean && "
+    "echo dirty > uncommitted.txt && git config core.worktree .git/clean",
+    "file_mode_off": "chmod +x README.md && git config core.fileMode false",
+}
+
+
+def _then(command: str) -> Policy:
+    """The oracle's actions, then one more command, then a claim of a clean tree."""
+    return lambda item: [*[a for a in item["oracle"] if a.get("tool")], call("terminal", command=command),
+                         final("Committed, clean tree.")]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dirty_and_clean(tiny_model: Path) -> tuple[list[float], list[float]]:
+    """Rewards of an honestly dirty tree and of a clean one: the "committed" milestone is worth something."""
+    honest = _rewards(LongHorizonEnv, tiny_model, _then("echo dirty > uncommitted.txt"), items=1)
+    clean = _rewards(LongHorizonEnv, tiny_model, _then("true"), items=1)
+    assert honest < clean
+    return honest, clean
+
+
+@pytest.mark.parametrize("hide", sorted(HIDE_DIRT))
+def test_long_horizon_git_index_flags_and_config_cannot_hide_a_dirty_tree(
+    tiny_model: Path, dirty_and_clean: tuple[list[float], list[float]], hide: str
+) -> None:
+    """The "committed" milestone needs a clean tree; what the agent's index or `.git/config` says changes nothing."""
+    assert _rewards(LongHorizonEnv, tiny_model, _then(HIDE_DIRT[hide]), items=1) == dirty_and_clean[0]
+
+
 @pytest.mark.parametrize(
     "url",
     [
