@@ -1,4 +1,8 @@
-"""Lineage: the tree of artifacts an artifact was made from, found by walking `parents`."""
+"""Lineage: the tree of artifacts an artifact was made from, found by walking `parents`.
+
+Both walks use an explicit stack, not recursion: a chain of rounds grows a few artifacts deeper
+each round, and must never reach Python's recursion limit.
+"""
 
 from __future__ import annotations
 
@@ -17,22 +21,25 @@ class LineageNode:
     repeated: bool = False  # Already shown elsewhere in the tree (diamond-shaped lineage).
 
     def walk(self) -> list[Manifest]:
-        """Every manifest in the tree, depth first, each once."""
-        out = [self.manifest]
-        for parent in self.parents:
-            out.extend(parent.walk())
+        """Every node's manifest, depth first (a `repeated` ancestor again where it repeats)."""
+        out, stack = [], [self]
+        while stack:
+            node = stack.pop()
+            out.append(node.manifest)
+            stack += reversed(node.parents)
         return out
 
 
 def lineage(store: ArtifactStore, ref: str) -> LineageNode:
     """The ancestry tree of `ref`; shared ancestors are expanded once and marked `repeated` after."""
-    seen: set[str] = set()
-
-    def build(manifest_id: str) -> LineageNode:
-        manifest = store.manifest(manifest_id)
-        if manifest_id in seen:
-            return LineageNode(manifest, repeated=True)
-        seen.add(manifest_id)
-        return LineageNode(manifest, [build(parent) for parent in manifest.parents])
-
-    return build(store.resolve(ref))
+    root = LineageNode(store.manifest(store.resolve(ref)))
+    seen = {root.manifest.id}
+    stack = [(root, parent) for parent in reversed(root.manifest.parents)]
+    while stack:
+        child, manifest_id = stack.pop()
+        node = LineageNode(store.manifest(manifest_id), repeated=manifest_id in seen)
+        child.parents.append(node)
+        if not node.repeated:
+            seen.add(manifest_id)
+            stack += [(node, parent) for parent in reversed(node.manifest.parents)]
+    return root

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 from collections.abc import Iterable
 from datetime import UTC, datetime
@@ -15,6 +16,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 SHA256_PATTERN = "^[0-9a-f]{64}$"
 _MAX_PART_BYTES = 255  # NAME_MAX of the file systems an artifact is written to.
+_MAX_NAME_CHARS = 200  # As a ref name: `kind/name` is also a ref.
+_KIND = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+_NAME = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
+
+
+def check_kind(kind: str) -> str:
+    """Return `kind` if it is one folder-safe word; raise ValueError naming it otherwise."""
+    if not _KIND.fullmatch(kind):
+        raise ValueError(f"invalid kind {kind[:80]!r}: use letters, digits, '-', '_', '.' (no '/')")
+    return kind
 
 
 def check_relpaths(relpaths: Iterable[str]) -> None:
@@ -66,6 +77,22 @@ class Manifest(BaseModel):
         description="UTC creation time (ISO 8601, milliseconds: `ls` orders artifacts made in the same second).",
     )
     metrics: dict[str, Any] = Field(default_factory=dict, description="Figures: counts, scores, cost.")
+
+    @field_validator("kind")
+    @classmethod
+    def _kind_is_a_word(cls, kind: str) -> str:
+        return check_kind(kind)
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_plain(cls, name: str) -> str:
+        """Names reach terminals, tables and refs: no control characters (terminal escapes), no markup brackets."""
+        if len(name) > _MAX_NAME_CHARS or not _NAME.fullmatch(name):
+            raise ValueError(
+                f"invalid artifact name {name[:80]!r}: use at most {_MAX_NAME_CHARS} letters, digits, '-', '_', '.' "
+                "in parts joined by '/'"
+            )
+        return name
 
     @field_validator("files")
     @classmethod

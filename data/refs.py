@@ -47,7 +47,7 @@ def check_ref_name(name: str) -> str:
         or any(".." in part or part.endswith((".json", ".lock")) for part in parts)
     ):
         raise StoreError(
-            f"invalid ref name '{name[:80]}{'…' if len(name) > 80 else ''}': use at most {_MAX_REF_CHARS} "
+            f"invalid ref name {name[:80]!r}{'…' if len(name) > 80 else ''}: use at most {_MAX_REF_CHARS} "
             "letters, digits, '-', '_', '.' in parts joined by '/', none starting with '.' or ending in .json/.lock"
         )
     return name

@@ -42,7 +42,7 @@ from pydantic import ValidationError
 
 from flywheel.data.costs import cost_metrics
 from flywheel.data.errors import ArtifactNotFound, CorruptBlobError, StoreError, translate
-from flywheel.data.manifest import FileEntry, Manifest, check_relpaths
+from flywheel.data.manifest import FileEntry, Manifest, check_kind, check_relpaths
 from flywheel.data.refs import (
     LocalRefBackend,
     RefBackend,
@@ -59,7 +59,6 @@ DEFAULT_STORE = "./.flywheel"
 STORE_ENV = "FLYWHEEL_STORE"
 _MIN_PREFIX = 6
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_KIND = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 
 logger = logging.getLogger(__name__)
 
@@ -137,10 +136,12 @@ class ArtifactStore:
         checked first, so bad input fails before any byte is written. Inside `track_costs()` the
         metrics gain the process's `peak_rss_mb`.
         """
-        if not _KIND.fullmatch(kind):
-            raise StoreError(f"invalid kind '{kind}': use letters, digits, '-', '_', '.' (no '/')")
+        try:
+            check_kind(kind)
+        except ValueError as err:
+            raise StoreError(str(err)) from None
         ref_name = f"{kind}/{name}"
-        check_ref_name(ref_name)
+        check_ref_name(ref_name)  # Stricter than the manifest's own name check, which every read repeats.
         items = _source_items(source)
         parent_ids = [self.resolve(parent) for parent in parents]
         seen = self._translate(lambda: self._refs.read(ref_name))  # A corrupt ref fails now, not after the upload.
@@ -251,7 +252,8 @@ class ArtifactStore:
         except ValidationError as err:
             first = err.errors()[0]
             where = ".".join(str(part) for part in first["loc"])
-            raise CorruptBlobError(f"{what} is not a valid manifest: {where}: {first['msg']}") from err
+            message = first["msg"].removeprefix("Value error, ")
+            raise CorruptBlobError(f"{what} is not a valid manifest: {where}: {message}") from err
 
     def resolve(self, ref: str) -> str:
         """Turn a ref name, `kind/name`, a manifest id or a unique id prefix into a manifest id."""

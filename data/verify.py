@@ -8,11 +8,13 @@ upload older than a grace period (S3 has no locks).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import logging
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -42,7 +44,7 @@ def artifact_problems(
             manifests[manifest_id] = read_manifest(manifest_id)
         except StoreError as err:
             problems.append(str(err))
-    checked: set[str] = set()
+    checked: set[tuple[str, int]] = set()  # A blob is read once per size listed: `get` checks the size too.
     for manifest in manifests.values():
         problems += [
             f"manifest {manifest.id} names missing parent {parent}"
@@ -50,9 +52,9 @@ def artifact_problems(
             if parent not in manifest_ids
         ]
         for relpath, entry in manifest.files.items():
-            if entry.sha256 in checked:
+            if (entry.sha256, entry.size) in checked:
                 continue
-            checked.add(entry.sha256)
+            checked.add((entry.sha256, entry.size))
             try:
                 check_blob(entry, f"({manifest.kind}/{manifest.name}:{relpath})")
             except StoreError as err:
@@ -67,20 +69,9 @@ def artifact_problems(
 
 def staging_problems(transfer: Transfer, clean: bool, grace_s: float) -> list[str]:
     """Leftovers of killed writes: unlocked files in tmp/ (local), stale multipart uploads (S3); or remove them."""
-    problems = []
     if transfer.local:
-        for entry in sorted(transfer.staging.iterdir()) if transfer.staging.is_dir() else []:
-            if _held_by_writer(entry):
-                continue
-            if clean:
-                discard(entry)
-                logger.info("removed staging leftover %s", entry)
-            else:
-                problems.append(
-                    f"staging leftover {STAGING}/{entry.name} ({entry.lstat().st_size} bytes) "
-                    "from an interrupted write: verify with clean_staging removes it"
-                )
-        return problems
+        return _local_staging_problems(transfer.staging, clean)
+    problems = []
     bucket, _, prefix = transfer.root.partition("/")
     cutoff = datetime.now(UTC) - timedelta(seconds=grace_s)
     for upload in _multipart_uploads(transfer, bucket, f"{prefix}/" if prefix else ""):
@@ -118,10 +109,47 @@ def _multipart_uploads(transfer: Transfer, bucket: str, prefix: str) -> Iterator
         after = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
 
-def _held_by_writer(path: Path) -> bool:
+def _local_staging_problems(staging: Path, clean: bool) -> list[str]:
+    """Unlocked files in tmp/, or remove them; never through a link, so nothing outside the store is touched."""
+    try:
+        fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        what = "a symlink" if staging.is_symlink() else f"unusable ({err.strerror})"
+        return [f"staging folder {STAGING}/ is {what}: verify leaves it alone; replace it with a plain folder"]
+    try:
+        return [problem for name in sorted(os.listdir(fd)) if (problem := _staged_leftover(fd, name, clean))]
+    finally:
+        os.close(fd)
+
+
+def _staged_leftover(staging_fd: int, name: str, clean: bool) -> str | None:
+    """The problem line for one entry of tmp/ (None: a live write, or removed); links are removed, never followed."""
+    if _held_by_writer(staging_fd, name):
+        return None
+    try:
+        info = os.stat(name, dir_fd=staging_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None  # A write that finished meanwhile.
+    if not clean:
+        return (
+            f"staging leftover {STAGING}/{name} ({info.st_size} bytes) "
+            "from an interrupted write: verify with clean_staging removes it"
+        )
+    if stat.S_ISDIR(info.st_mode):
+        shutil.rmtree(name, ignore_errors=True, dir_fd=staging_fd)  # Its fd-based walk never follows a link.
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=staging_fd)  # A link itself, never its target.
+    logger.info("removed staging leftover %s/%s", STAGING, name)
+    return None
+
+
+def _held_by_writer(staging_fd: int, name: str) -> bool:
     """True while a live writer holds the staging file's lock (a killed writer's lock is gone)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=staging_fd)
     except OSError:
         return False  # A link or something unreadable: no writer of ours made it.
     try:

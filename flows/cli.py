@@ -31,7 +31,7 @@ from rich.tree import Tree
 
 from flywheel.data import ArtifactStore, LineageNode, Manifest, StoreError, lineage
 from flywheel.flows.cli_errors import click_error_line, failure_line
-from flywheel.flows.console import stderr_handler
+from flywheel.flows.console import printable, stderr_handler
 from flywheel.flows.fast_malloc import reexec_with_fast_malloc
 from flywheel.inference import ModelServer, ServerConfig, ServerError, build_command, chat
 from flywheel.training import BUILTIN_MODELS, ModelError, prepare_model, resolve_model
@@ -99,13 +99,19 @@ def _byte_progress(description: str, total: int | None = None) -> Iterator[Calla
     """A rich progress bar fed with byte counts (hashing and copying report as they go)."""
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
     with Progress(*columns, console=err_console, transient=True) as progress:
-        task = progress.add_task(description, total=total)
+        task = progress.add_task(_markup(description), total=total)
         yield lambda n: progress.advance(task, n)
 
 
+def _markup(value: object) -> str:
+    """A user's or the store's text made safe inside Rich markup: control characters and tags escaped."""
+    return escape(printable(value))
+
+
 def _write(text: str) -> None:
-    """`text` on the command's own output (stdout, where libraries never write: see `main`), as it is."""
-    console.file.write(text + "\n")
+    """`text` on the command's own output (stdout, where libraries never write: see `main`), control characters
+    escaped."""
+    console.file.write("\n".join(printable(line) for line in text.split("\n")) + "\n")
     console.file.flush()
 
 
@@ -135,7 +141,7 @@ def model_prepare(
     if as_json:
         _print_json({"ref": f"model/{name}", "id": manifest.id, "size": manifest.size, "path": str(path)})
         return
-    console.print(f"model/{name} = {manifest.id[:12]} ({manifest.size / 1e6:.0f} MB) at {path}")
+    console.print(f"model/{_markup(name)} = {manifest.id[:12]} ({manifest.size / 1e6:.0f} MB) at {_markup(path)}")
 
 
 # -- serving -----------------------------------------------------------------------------------
@@ -167,10 +173,11 @@ def serve(
     """Serve a model behind an OpenAI-compatible API until interrupted."""
     config = _server_config(model, backend, host, port, tensor_parallel_size)
     if dry_run:
-        console.print(" ".join(build_command(config, config.port)), soft_wrap=True, highlight=False)
+        console.print(_markup(" ".join(build_command(config, config.port))), soft_wrap=True, highlight=False)
         return
     with ModelServer(config) as server:
-        console.print(f"serving [bold]{server.model_name}[/] at [bold]{server.base_url}[/] (Ctrl-C stops)")
+        name, url = _markup(server.model_name), _markup(server.base_url)
+        console.print(f"serving [bold]{name}[/] at [bold]{url}[/] (Ctrl-C stops)")
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         with contextlib.suppress(KeyboardInterrupt):
             assert server.process is not None
@@ -191,7 +198,7 @@ def chat_once(
     with ModelServer(config) as server:
         assert server.model_name is not None
         reply = chat(server.base_url, server.model_name, messages, temperature=0.0, max_tokens=max_tokens)
-    console.print(f"[bold]user:[/] {prompt}\n[bold]assistant:[/] {reply}")
+    console.print(f"[bold]user:[/] {_markup(prompt)}\n[bold]assistant:[/] {_markup(reply)}")
 
 
 # -- artifacts ---------------------------------------------------------------------------------
@@ -214,12 +221,12 @@ def artifacts_ls(
     for manifest in manifests:
         table.add_row(
             manifest.id[:12],
-            manifest.kind,
-            manifest.name,
+            _markup(manifest.kind),
+            _markup(manifest.name),
             str(len(manifest.files)),
             f"{manifest.size / 1e6:.1f} MB",
-            manifest.created,
-            ", ".join(sorted(by_target.get(manifest.id, []))),
+            _markup(manifest.created),
+            _markup(", ".join(sorted(by_target.get(manifest.id, [])))),
         )
     console.print(table)
 
@@ -239,17 +246,15 @@ def artifacts_show(
 @artifacts_app.command("lineage")
 def artifacts_lineage(ref: Annotated[str, typer.Argument(help="Ref, kind/name, id or id prefix.")]) -> None:
     """Print the tree of artifacts REF was made from."""
-
-    def add(tree: Tree, node: LineageNode) -> None:
-        m = node.manifest
-        branch = tree.add(f"{m.kind}/{m.name} [dim]{m.id[:12]} {m.created}[/]" + (" (above)" if node.repeated else ""))
-        for parent in node.parents:
-            add(branch, parent)
-
     root = lineage(state.store, ref)
-    tree = Tree(f"[bold]{root.manifest.kind}/{root.manifest.name}[/] [dim]{root.manifest.id[:12]}[/]")
-    for parent in root.parents:
-        add(tree, parent)
+    tree = Tree(f"[bold]{_markup(f'{root.manifest.kind}/{root.manifest.name}')}[/] [dim]{root.manifest.id[:12]}[/]")
+    stack: list[tuple[Tree, LineageNode]] = [(tree, parent) for parent in reversed(root.parents)]
+    while stack:  # Not recursive: a long chain of rounds must not reach Python's recursion limit.
+        branch, node = stack.pop()
+        m = node.manifest
+        label = f"{_markup(f'{m.kind}/{m.name}')} [dim]{m.id[:12]} {_markup(m.created)}[/]"
+        twig = branch.add(label + (" (above)" if node.repeated else ""))
+        stack += [(twig, parent) for parent in reversed(node.parents)]
     console.print(tree)
 
 
@@ -263,7 +268,7 @@ def artifacts_get(
     manifest = store.manifest(ref)
     with _byte_progress(f"get {manifest.kind}/{manifest.name}", total=manifest.size) as progress:
         store.get(manifest.id, dest, progress=progress)
-    console.print(f"{len(manifest.files)} files ({manifest.size / 1e6:.1f} MB) -> {dest}")
+    console.print(f"{len(manifest.files)} files ({manifest.size / 1e6:.1f} MB) -> {_markup(dest)}")
 
 
 @artifacts_app.command("verify")
@@ -275,7 +280,7 @@ def artifacts_verify(
     """Check every manifest, blob and ref, and staging leftovers; exit 1 if anything is wrong."""
     problems = state.store.verify(clean_staging=clean_staging)
     for problem in problems:
-        err_console.print(f"[red]problem:[/] {escape(problem)}", soft_wrap=True)
+        err_console.print(f"[red]problem:[/] {_markup(problem)}", soft_wrap=True)
     if problems:
         raise typer.Exit(1)
     console.print("store OK")
@@ -287,9 +292,11 @@ ConfigOption = Annotated[Path, typer.Option("--config", help="YAML config (see t
 Overrides = Annotated[list[str] | None, typer.Argument(help="key=value overrides of config fields.")]
 
 
-GpusOption = Annotated[int, typer.Option(help="Launch on this many GPUs with accelerate (ZeRO / FSDP per config).")]
+GpusOption = Annotated[
+    int, typer.Option(min=1, help="Launch on this many GPUs with accelerate (ZeRO / FSDP per config).")
+]
 DryRunOption = Annotated[bool, typer.Option(help="Print the multi-GPU launch command and exit.")]
-NodesOption = Annotated[int, typer.Option(help="Machines the run spans, `--gpus` each; run this on every one.")]
+NodesOption = Annotated[int, typer.Option(min=1, help="Machines the run spans, `--gpus` each; run this on every one.")]
 NodeRankOption = Annotated[int, typer.Option(help="This machine's number, 0 to nodes-1 (0 hosts the rendezvous).")]
 MainAddressOption = Annotated[str, typer.Option(help="Machine 0's address, as every machine reaches it.")]
 MainPortOption = Annotated[int, typer.Option(help="The rendezvous port on machine 0.")]
@@ -338,14 +345,14 @@ def _train(
     if gpus > 1 or machines.count > 1 or dry_run:
         command = launch_command(cfg, str(config), gpus, overrides or [], state.store_url, machines)
         if dry_run:
-            console.print(" ".join(command), soft_wrap=True, highlight=False)
+            console.print(_markup(" ".join(command)), soft_wrap=True, highlight=False)
             return
         raise typer.Exit(subprocess.call(command))
     try:
         manifest = run_training(cfg, state.store)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    console.print(f"checkpoint/{manifest.name} = {manifest.id[:12]}  {json.dumps(manifest.metrics)}")
+    console.print(f"checkpoint/{_markup(manifest.name)} = {manifest.id[:12]}  {_markup(json.dumps(manifest.metrics))}")
 
 
 # -- evaluation --------------------------------------------------------------------------------
@@ -380,7 +387,7 @@ def evaluate(
         agentic = _agentic_eval(model, model_dir, server, eval_size, max_infra_failure_rate)
         outcome["agentic"] = {"ref": f"eval/{agentic.name}", "id": agentic.id, "metrics": agentic.metrics}
         if not as_json:
-            console.print(f"eval/{agentic.name} = {agentic.id[:12]}  {json.dumps(agentic.metrics)}")
+            console.print(f"eval/{_markup(agentic.name)} = {agentic.id[:12]}  {_markup(json.dumps(agentic.metrics))}")
     if suite in ("flywheel", "all"):
         manifest = _lm_eval(model, model_dir, tasks, include_path, server, backend, limit, batch_size)
         results = store.read_json(manifest.id, "results.json")["results"]
@@ -390,9 +397,9 @@ def evaluate(
             for task, values in results.items():
                 for key, value in values.items():
                     if isinstance(value, float) and "stderr" not in key:
-                        table.add_row(task, key.split(",")[0], f"{value:.3f}")
+                        table.add_row(_markup(task), _markup(key.split(",")[0]), f"{value:.3f}")
             console.print(table)
-            console.print(f"eval/{manifest.name} = {manifest.id[:12]}")
+            console.print(f"eval/{_markup(manifest.name)} = {manifest.id[:12]}")
     if as_json:
         _print_json(outcome)
 
@@ -468,7 +475,7 @@ def report(
         refs = round_refs(store, int(refs[0]))
     manifest = build_report(store, refs, name or "report", rounds)
     out = store.materialize(manifest.id, default_cache_dir() / "reports")
-    console.print(f"report/{manifest.name} = {manifest.id[:12]}: {out / 'report.html'}")
+    console.print(f"report/{_markup(manifest.name)} = {manifest.id[:12]}: {_markup(out / 'report.html')}")
 
 
 # -- the flywheel --------------------------------------------------------------------------------
@@ -541,7 +548,7 @@ def run_round(
     from flywheel.flows.results import results_table
 
     log_file = log_file_for(default_cache_dir())
-    console.print(f"log: {log_file}", highlight=False, soft_wrap=True)
+    console.print(f"log: {_markup(log_file)}", highlight=False, soft_wrap=True)
     with round_console(console, log_file, state.verbose):
         report_id = flywheel(
             rounds=rounds, profile=profile or (config.stem if config else "default"), store_url=state.store_url,
@@ -550,7 +557,7 @@ def run_round(
     store = state.store
     out = store.materialize(report_id, default_cache_dir() / "reports")
     _write(results_table(store))
-    console.print(f"report: {out / 'report.html'}", highlight=False, soft_wrap=True)
+    console.print(f"report: {_markup(out / 'report.html')}", highlight=False, soft_wrap=True)
 
 
 @infra_app.command("setup")
@@ -573,7 +580,7 @@ def infra_setup(
             "or set PREFECT_API_URL"
         ) from err
     for line in lines:
-        console.print(line)
+        console.print(_markup(line))
 
 
 # -- every subcommand takes --store; every failure is one line -----------------------------------
@@ -622,7 +629,7 @@ _accept_store_everywhere(app)
 
 
 def _fail(message: str, code: int) -> None:
-    err_console.print(Text.assemble(("error:", "red"), " ", message), highlight=False, soft_wrap=True)
+    err_console.print(Text.assemble(("error:", "red"), " ", printable(message)), highlight=False, soft_wrap=True)
     sys.exit(code)
 
 

@@ -30,6 +30,12 @@ _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 progress_log = logging.getLogger(PROGRESS)
 
 
+def printable(text: object) -> str:
+    """`text` with control characters written as escapes (`\\x1b`, as `repr` does): a name, path or
+    message from a user or a store can never move the cursor, clear the screen or forge a line."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in str(text))
+
+
 def stage_started(stage: str, round_no: int) -> None:
     """Announce a stage (a terminal shows it as a live status; a pipe gets nothing)."""
     progress_log.info("%s r%d ...", stage, round_no, extra={"stage_event": "start"})
@@ -100,7 +106,7 @@ class _ProgressHandler(logging.Handler):
             return
         if self.status is not None:
             self.status.stop()
-        self.console.print(message, highlight=False, soft_wrap=True)
+        self.console.print(printable(message), markup=False, highlight=False, soft_wrap=True)
 
 
 class _OurWarnings(logging.Filter):

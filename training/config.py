@@ -25,6 +25,7 @@ from flywheel.training.distributed import launched
 logger = logging.getLogger(__name__)
 
 MIN_KL_BETA = 0.01
+MAX_CONFIG_BYTES = 1024 * 1024  # Configs are a few KiB; a bigger one is a wrong path, not a config.
 DEEPSPEED_DIR = Path(__file__).parent / "deepspeed"
 
 
@@ -205,7 +206,7 @@ def read_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+            loaded = yaml.safe_load(_read_capped(Path(path)).decode("utf-8"))
         except UnicodeDecodeError as err:
             raise ConfigError(f"config {path} is not UTF-8 text (a binary file?)") from err
         except (OSError, yaml.YAMLError) as err:
@@ -224,6 +225,15 @@ def read_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     bad_keys = [key for key in data if not isinstance(key, str)]
     if bad_keys:
         raise ConfigError(f"config {path}: field names must be strings, got {bad_keys!r:.120}")
+    return data
+
+
+def _read_capped(path: Path) -> bytes:
+    """The file's bytes, at most MAX_CONFIG_BYTES: `/dev/zero` or a huge file is refused, never read whole."""
+    with open(path, "rb") as handle:
+        data = handle.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config {path} is larger than {MAX_CONFIG_BYTES / 2**20:g} MiB: not a config file?")
     return data
 
 

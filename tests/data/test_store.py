@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -155,6 +156,21 @@ def test_lineage_of_a_three_level_chain(store: ArtifactStore) -> None:
     assert eval_node.parents[0].parents[0].manifest.id == dataset.id
     assert dataset_node.repeated and dataset_node.manifest.id == dataset.id
     assert [m.kind for m in tree.walk()] == ["dataset", "eval", "checkpoint", "dataset", "dataset"]
+
+
+def put_chain(store: ArtifactStore, length: int) -> list[str]:
+    """`length` artifacts, each made from the one before: the ids, oldest first."""
+    ids: list[str] = []
+    with mock.patch("os.fsync"):  # Durability is not under test: a second for 600 puts, not fifteen.
+        for i in range(length):
+            ids.append(store.put("dataset", f"step-{i}", {"d": str(i).encode()}, parents=ids[-1:]).id)
+    return ids
+
+
+def test_lineage_of_a_long_chain_is_walked_without_recursion(local_store: ArtifactStore) -> None:
+    ids = put_chain(local_store, 600)  # Deeper than Python's recursion limit allows a recursive walk.
+    tree = lineage(local_store, ids[-1])
+    assert [m.id for m in tree.walk()] == ids[::-1]
 
 
 def test_bad_input_fails_clearly_and_writes_nothing(store: ArtifactStore, tmp_path: Path) -> None:

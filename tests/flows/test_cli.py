@@ -3,6 +3,7 @@ after any subcommand, `--json` for scripts, unwrapped output when piped."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ from flywheel.data import ArtifactStore
 from flywheel.flows import cli
 from flywheel.inference.server import vllm_cli
 from flywheel.training.launch import accelerate_cli
+from tests.data.test_store import put_chain
 
 FLYWHEEL = str(Path(sys.executable).parent / "flywheel")
 SFT_CONFIG = str(Path(__file__).resolve().parents[2] / "training" / "configs" / "sft_h100_zero3.yaml")
@@ -237,6 +239,40 @@ def test_verify_reports_then_cleans_staging_leftovers(tmp_path: Path) -> None:
     assert reported.returncode == 1 and "staging leftover" in reported.stderr
     assert run("artifacts", "verify", "--clean-staging", "--store", str(store)).returncode == 0
     assert run("artifacts", "verify", "--store", str(store)).returncode == 0
+
+
+def test_user_text_is_printed_as_text_never_as_markup_or_terminal_codes(
+    local_store: ArtifactStore, tmp_path: Path
+) -> None:
+    for dest in ("out[/x]", "out[link=http://e]here[/link]", "out\x1b[2Jcleared"):
+        got = run("--store", local_store.url, "artifacts", "get", "dataset/sft-r1", str(tmp_path / dest))
+        assert got.returncode == 0, got.stderr
+        assert (tmp_path / dest / "train.jsonl").exists()
+        assert got.stdout.strip().endswith(f"-> {tmp_path / dest}".replace("\x1b", "\\x1b"))
+        assert "\x1b" not in got.stdout + got.stderr
+    unknown = run("--store", local_store.url, "artifacts", "show", "\x1b[2J[/x]")
+    assert_one_line_error(unknown, "unknown artifact ref '\\x1b[2J[/x]'")
+    assert "\x1b" not in unknown.stderr
+
+
+def test_a_forged_manifest_name_is_one_escaped_line_in_ls_and_lineage(local_store: ArtifactStore) -> None:
+    base = local_store.manifest("dataset/sft-r1").model_dump(mode="json")
+    raw = json.dumps({**base, "name": "evil\x1b[2J[/]"}, sort_keys=True, separators=(",", ":")).encode()
+    forged = hashlib.sha256(raw).hexdigest()
+    Path(local_store._manifest_path(forged)).write_bytes(raw)
+    local_store.set_ref("evil", forged)
+    for argv in (["artifacts", "ls"], ["artifacts", "lineage", "evil"]):
+        result = run("--store", local_store.url, *argv)
+        assert_one_line_error(result, f"manifest {forged}", "invalid artifact name 'evil\\x1b[2J[/]'")
+        assert "\x1b" not in result.stderr
+
+
+def test_lineage_of_a_long_chain_prints_every_artifact(tmp_path: Path) -> None:
+    store = ArtifactStore(tmp_path / "store")
+    ids = put_chain(store, 600)
+    result = run("--store", store.url, "artifacts", "lineage", ids[-1])
+    assert result.returncode == 0, result.stderr
+    assert [line.split()[-2] for line in result.stdout.splitlines()[1:]] == [i[:12] for i in ids[-2::-1]]
 
 
 def test_eval_takes_the_infra_failure_threshold_and_checks_its_range(tmp_path: Path) -> None:

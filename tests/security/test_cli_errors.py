@@ -14,6 +14,7 @@ import pytest
 from flywheel.data import ArtifactStore
 from flywheel.flows import cli
 from flywheel.flows.cli_errors import failure_line
+from flywheel.training.config import MAX_CONFIG_BYTES
 from tests.flows.test_cli import GROUPS, SUBCOMMANDS, run
 
 SFT_CONFIG = Path(__file__).resolve().parents[2] / "training" / "configs" / "sft_tiny.yaml"
@@ -101,6 +102,27 @@ def test_an_unparsable_config_or_override_is_one_line(tmp_path: Path, case: str)
     assert_one_error_line(result, 1)
     wanted = {"binary": "not UTF-8", "mixed-keys": "field names must be strings", "bad-override": "not valid YAML"}
     assert wanted[case] in result.stderr and "(-v shows the traceback)" not in result.stderr
+
+
+@pytest.mark.parametrize("option, value", [("--gpus", "-3"), ("--gpus", "0"), ("--nodes", "0")])
+def test_gpu_and_machine_counts_below_one_are_usage_errors(tmp_path: Path, option: str, value: str) -> None:
+    result = run("--store", str(tmp_path / "store"), "train", "sft", "--config", str(SFT_CONFIG), option, value,
+                 "--dry-run")  # fmt: skip
+    assert_one_error_line(result, 2, f"Invalid value for '{option}'")
+    assert "accelerate" not in result.stdout
+
+
+@pytest.mark.timeout(120)  # Reading /dev/zero whole would not end.
+@pytest.mark.parametrize("command", [["train", "sft"], ["plan"]], ids=" ".join)
+@pytest.mark.parametrize("source", ["dev-zero", "over-the-cap"])
+def test_a_config_larger_than_the_cap_is_one_line_and_never_read_whole(
+    tmp_path: Path, command: list[str], source: str
+) -> None:
+    config = Path("/dev/zero") if source == "dev-zero" else tmp_path / "huge.yaml"
+    if source == "over-the-cap":
+        config.write_text("# a comment\n" * (MAX_CONFIG_BYTES // 12 + 1))  # Valid YAML, just too big.
+    result = run("--store", str(tmp_path / "store"), *command, "--config", str(config))
+    assert_one_error_line(result, 1, f"config {config} is larger than 1 MiB")
 
 
 def test_failure_lines_are_one_line_and_name_unexpected_error_types() -> None:

@@ -31,9 +31,10 @@ def local_store(tmp_path: Path) -> ArtifactStore:
     return ArtifactStore(tmp_path / "store")
 
 
-def _forge_manifest(store: ArtifactStore, base: Manifest, files: dict) -> str:
-    """Write a manifest with arbitrary `files` under its true hash, as an attacker with write access could."""
-    raw = json.dumps({**base.model_dump(mode="json"), "files": files}, sort_keys=True, separators=(",", ":")).encode()
+def _forge_manifest(store: ArtifactStore, base: Manifest, files: dict, **fields: object) -> str:
+    """Write a manifest with any `files` and fields under its true hash, as an attacker with write access could."""
+    forged = {**base.model_dump(mode="json"), "files": files, **fields}
+    raw = json.dumps(forged, sort_keys=True, separators=(",", ":")).encode()
     manifest_id = hashlib.sha256(raw).hexdigest()
     store.fs.pipe_file(store._manifest_path(manifest_id), raw)
     store.fs.invalidate_cache()
@@ -79,6 +80,54 @@ def test_manifest_paths_are_checked_on_every_read(store: ArtifactStore, tmp_path
         store.materialize("evil", tmp_path / "cache")
     assert not list(tmp_path.rglob("escaped*")) and not (tmp_path / "cache").exists()
     assert store.read_bytes("dataset/good", "x.txt") == b"payload"  # Nothing stored was lost.
+
+
+def test_verify_checks_every_size_a_blob_is_listed_with(store: ArtifactStore, tmp_path: Path) -> None:
+    good = store.put("dataset", "good", {"x.txt": b"payload"})
+    entry = good.files["x.txt"].model_dump()
+    # The same blob twice: first at its true size (verify used to read each blob once), then a forged one.
+    forged = _forge_manifest(store, good, {"a.txt": entry, "b.txt": {**entry, "size": 999}}, name="forged")
+
+    problems = store.verify()
+    assert len(problems) == 1 and "dataset/forged:b.txt" in problems[0] and "\n" not in problems[0]
+    with pytest.raises(CorruptBlobError, match=entry["sha256"]):
+        store.get(forged, tmp_path / "out")
+    assert store.read_bytes("dataset/good", "x.txt") == b"payload"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        pytest.param({"name": "evil[/]"}, id="markup"),
+        pytest.param({"name": "\x1b[2Jclear"}, id="terminal-escape"),
+        pytest.param({"name": "x" * 201}, id="too-long"),
+        pytest.param({"kind": "\x1b]8;;http://e\x07link"}, id="kind-escape"),
+    ],
+)
+def test_manifest_names_are_checked_on_every_read(store: ArtifactStore, fields: dict) -> None:
+    good = store.put("dataset", "good", {"x.txt": b"payload"})
+    forged = _forge_manifest(store, good, good.model_dump(mode="json")["files"], **fields)
+    store.set_ref("evil", forged)
+
+    bad = rf"manifest {forged} is not a valid manifest: (name|kind): invalid"
+    with pytest.raises(CorruptBlobError, match=bad) as err:
+        store.manifest("evil")
+    assert "\x1b" not in _one_line(err)  # The bad value is named, its control characters escaped.
+    problems = store.verify()
+    assert len(problems) == 1 and forged in problems[0]
+    assert store.read_bytes("dataset/good", "x.txt") == b"payload"
+
+
+def test_names_with_control_characters_are_refused_on_write(store: ArtifactStore) -> None:
+    with pytest.raises(StoreError, match="invalid ref name") as err:
+        store.put("dataset", "\x1b[2Jclear", {"x.txt": b"x"})
+    assert "\x1b" not in _one_line(err) and "\\x1b[2Jclear" in str(err.value)
+    with pytest.raises(StoreError, match="invalid kind") as err:
+        store.put("\x1b[2J", "name", {"x.txt": b"x"})
+    assert "\x1b" not in _one_line(err)
+    with pytest.raises(ValueError, match="invalid artifact name 'evil\\[/\\]'"):
+        Manifest(kind="dataset", name="evil[/]")
+    assert store.list() == []
 
 
 # -- put: the stored bytes are the hashed bytes ---------------------------------------------------
@@ -299,6 +348,36 @@ def test_verify_never_cleans_a_live_write(local_store: ArtifactStore) -> None:
         handle.write(b"in progress")
         assert local_store.verify(clean_staging=True) == []
         assert staged.exists()
+
+
+def _outside_folder(tmp_path: Path) -> Path:
+    outside = tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    (outside / "keep.txt").write_text("not the store's")
+    (outside / "sub" / "deep.txt").write_text("not the store's either")
+    return outside
+
+
+def test_clean_staging_never_follows_a_link(local_store: ArtifactStore, tmp_path: Path) -> None:
+    outside = _outside_folder(tmp_path)
+    staging = Path(local_store.root, "tmp")
+    staging.mkdir(exist_ok=True)
+    (staging / "link-to-folder").symlink_to(outside)
+    (staging / "link-to-file").symlink_to(outside / "keep.txt")
+    (staging / "folder").mkdir()
+    (staging / "folder" / "link").symlink_to(outside)
+
+    assert len(local_store.verify()) == 3
+    assert local_store.verify(clean_staging=True) == []
+    assert not any(staging.iterdir())  # The links themselves are gone ...
+    assert sorted(p.name for p in outside.rglob("*")) == ["deep.txt", "keep.txt", "sub"]  # ... their targets stay.
+
+    staging.rmdir()
+    staging.symlink_to(outside)  # The staging folder itself a link: refused, not emptied.
+    for clean in (False, True):
+        problems = local_store.verify(clean_staging=clean)
+        assert len(problems) == 1 and "staging folder tmp/ is a symlink" in problems[0]
+    assert sorted(p.name for p in outside.rglob("*")) == ["deep.txt", "keep.txt", "sub"]
 
 
 # -- durability -----------------------------------------------------------------------------------
