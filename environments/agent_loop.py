@@ -178,6 +178,7 @@ class HermesAgentLoop:
             result.completion_tokens += getattr(usage, "completion_tokens", 0) or 0
             result.prompt_tokens += getattr(usage, "prompt_tokens", 0) or 0
             content, calls, parse_errors = sanitize(self._read_reply(reply))
+            parse_errors = capped_parse_errors(parse_errors, self.max_tool_calls_per_reply)
             dropped = len(calls) - self.max_tool_calls_per_reply
             calls = calls[: self.max_tool_calls_per_reply]
             assistant: dict[str, Any] = {"role": "assistant", "content": content}
@@ -353,6 +354,14 @@ class HermesAgentLoop:
                 error = sanitize(str(err))
         result.record_tool_error(turn, call.name, call.arguments, error)
         return f"Error: {error}"
+
+
+def capped_parse_errors(errors: list[str], cap: int) -> list[str]:
+    """At most `cap` parse errors of one reply, then one line counting the rest: a reply of 100,000
+    unparsable calls is one model mistake, not 100,000 records (and a 10 MB rollout line)."""
+    if len(errors) <= cap:
+        return errors
+    return [*errors[:cap], f"... and {len(errors) - cap} more tool calls in this reply could not be parsed"]
 
 
 def sanitize(value: Any) -> Any:

@@ -13,7 +13,7 @@ import uuid
 from typing import Any
 
 from flywheel.environments.agent.messages import messages_with_json_arguments
-from flywheel.environments.agent_loop import AgentResult
+from flywheel.environments.agent_loop import AgentResult, sanitize
 from flywheel.environments.base import Action, BaseEnvironment, State, StepResult
 from flywheel.environments.errors import AgentError
 from flywheel.environments.tool_context import ToolContext
@@ -26,6 +26,7 @@ class AgentEpisodes(BaseEnvironment):
     _episode_ctx: ToolContext | None = None
     _episode_item: dict[str, Any] | None = None
     _episode_result: AgentResult | None = None
+    _episode_done: bool = False
     _gym_loop: asyncio.AbstractEventLoop | None = None
 
     def _ready(self) -> asyncio.AbstractEventLoop:
@@ -62,15 +63,18 @@ class AgentEpisodes(BaseEnvironment):
         state, result, ctx = self._episode, self._episode_result, self._episode_ctx
         if state is None or result is None or ctx is None:
             raise RuntimeError("call reset() before step()")
+        if self._episode_done:  # Its reward is given: a later action must not run tools or be scored again.
+            raise RuntimeError("the episode is over (step returned done=True): call reset() for the next one")
         action = _as_action(action, self.config.tool_call_parser)  # type: ignore[attr-defined]
         assistant: dict[str, Any] = {"role": "assistant", "content": action.text}
         if action.tool_calls:
             assistant["tool_calls"] = [call.as_message_entry() for call in action.tool_calls]
-        state.messages.append(assistant)
+        state.messages.append(sanitize(assistant))
         state.turn += 1
         result.turns_used = state.turn
         if not action.is_tool_call or state.turn >= self.config.max_agent_turns:  # type: ignore[attr-defined]
             result.finished_naturally = not action.is_tool_call
+            self._episode_done = True
             reward = self.score(result)
             info = {"turns": state.turn, "finished_naturally": result.finished_naturally}
             return StepResult(state, reward, True, info | {"task_completed": result.task_completed})
@@ -80,10 +84,11 @@ class AgentEpisodes(BaseEnvironment):
             try:
                 if call.name not in tools:
                     raise AgentError(f"unknown tool '{call.name:.80}'; available: {', '.join(sorted(tools))}")
-                text = tools[call.name](ctx, call.arguments)
+                text = sanitize(tools[call.name](ctx, call.arguments))  # A file name need not be UTF-8.
             except AgentError as err:
-                text = f"Error: {err}"
-                result.record_tool_error(state.turn - 1, call.name, call.arguments, str(err))
+                error = sanitize(str(err))
+                text = f"Error: {error}"
+                result.record_tool_error(state.turn - 1, call.name, call.arguments, error)
             state.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": text})
             outputs.append(text)
         state.observation = "\n".join(outputs)
@@ -103,6 +108,7 @@ class AgentEpisodes(BaseEnvironment):
         if self._episode_ctx is not None:
             self._episode_ctx.cleanup()
         self._episode = self._episode_ctx = self._episode_item = self._episode_result = None
+        self._episode_done = False
 
     def shutdown(self) -> None:
         """End the episode and release what `setup` started (servers, clients)."""

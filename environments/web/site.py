@@ -128,7 +128,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200, body)
         if rest[0] == "c" and len(rest) == 2:
             shelf = [p for p in products if p.shelf == rest[1]]
-            page = max(1, int(query.get("page", "1")) if query.get("page", "1").isdigit() else 1)
+            page = _page_number(query.get("page", "1"))
             chunk = shelf[(page - 1) * page_size : page * page_size]
             show_price = difficulty == "easy"
             items = "".join(
@@ -166,3 +166,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+
+def _page_number(text: str) -> int:
+    """A page number from the query: ASCII digits only (`"²".isdigit()` is true, `int("²")` raises), at
+    least 1, at most 6 digits; anything else is page 1."""
+    return max(1, int(text)) if text.isascii() and text.isdigit() and len(text) <= 6 else 1

@@ -243,3 +243,31 @@ def _split_turns(messages: list[dict[str, Any]]) -> list[tuple[dict[str, Any], l
         elif message["role"] == "tool":
             turns[-1][1].append(message)
     return turns
+
+
+def test_a_flood_of_unparsable_calls_records_a_capped_number_of_errors() -> None:
+    """100,000 `<tool_call>x</tool_call>` in one reply: the cap's worth of parse errors and one line for the rest."""
+    result, _ = _run(_Replies("<tool_call>x</tool_call>" * 100_000), "attack-parse-flood", max_turns=2)
+    parse_errors = [e for e in result.tool_errors if e.tool_name == "<parse>"]
+    assert len(parse_errors) == CAP + 1 and "and 99" in parse_errors[-1].error
+    assert len(_utf8_jsonl([e.error for e in result.tool_errors])) < 100_000  # Was a 10 MB rollout line.
+
+
+def test_the_gym_view_refuses_a_step_after_done_and_sanitises_observations() -> None:
+    """After done a step raises (it ran tools and scored again); a file name that is not UTF-8 reaches the
+    observation as U+FFFD, so `json.dumps(...).encode()` of it works."""
+    env = ToolUseChainEnv(num_tasks=10)
+    try:
+        env.reset(0)
+        env.step({"tool": "terminal", "arguments": {"command": "touch \"$(printf 'bad\\377name')\""}})
+        listed = env.step({"tool": "list_files", "arguments": {"path": "."}})
+        assert "\ufffd" in listed.next_state.observation
+        json.dumps(listed.next_state.messages).encode()
+        assert env.step("Done.").done
+        with pytest.raises(RuntimeError, match="the episode is over"):
+            env.step({"tool": "write_file", "arguments": {"path": "late.txt", "content": "x"}})
+        env.reset(1)  # A new episode steps again.
+        assert not env.step({"tool": "list_files", "arguments": {"path": "."}}).done
+    finally:
+        env.shutdown()
+    assert live_task_ids() == []

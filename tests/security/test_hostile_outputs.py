@@ -246,3 +246,24 @@ def test_a_verifier_bug_on_agent_output_is_a_failed_task_with_its_reason(tiny_mo
     result, reward = asyncio.run(run())
     assert reward == 0.0 and result.task_completed is False and env.verifier_errors == 1
     assert result.verify_error.startswith("RecursionError")
+
+
+@pytest.mark.parametrize(
+    "page",
+    ["%C2%B2", "%D9%A3", "-1", "0", "1" * 400, "1e3", "%00"],
+    ids=["superscript_two", "arabic_three", "negative", "zero", "400_digits", "exponent", "nul"],
+)
+def test_the_shop_reads_a_hostile_page_number_as_page_one(page: str) -> None:
+    """`"²".isdigit()` is true and `int("²")` raises: the shop answered such a query with a traceback."""
+    import urllib.request
+
+    from flywheel.environments.web.site import ShopSite, catalog
+
+    shop = ShopSite().start()
+    try:
+        shelf = catalog("0123456789", "easy")[0].shelf
+        url = f"{shop.base_url}/t/0123456789/easy/c/{shelf}?page={page}"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert response.status == 200 and "(page 1)" in response.read().decode()
+    finally:
+        shop.stop()
