@@ -169,7 +169,7 @@ class LocalSandbox:
             if self.isolated:
                 os.chmod(base, 0o711)  # The sandbox uid may traverse, not list.
                 _sweep_once(base)
-                self._lease = jail.UidLease(base.parent / f"{base.name}.uids")
+                self._lease = jail.UidLease(jail.UID_LOCKS)
                 limits = self.limits
                 jail.mount_workspace(self.workspace, self._lease.uid, limits.workspace_bytes, limits.max_inodes)
                 self._cgroup = jail.Cgroup(f"flywheel-{self._lease.uid}", limits.total_memory_bytes,
@@ -317,7 +317,7 @@ def _sweep_once(base: Path) -> None:
         if base in _SWEPT:
             return
         _SWEPT.add(base)
-        swept = jail.sweep_stale_workspaces(base, base.parent / f"{base.name}.uids")
+        swept = jail.sweep_stale_workspaces(base, jail.UID_LOCKS)
     if swept:
         logger.warning("unmounted %d workspaces that killed sandboxes left under %s", swept, base)
 

@@ -8,9 +8,11 @@ then drops to the sandbox's uid with no capabilities and `no_new_privs`. When th
 first process ends, the kernel kills every process in it: nothing a command starts outlives it,
 whatever it forks, `setsid`s or leaves as a half-dead thread group.
 
-The uid comes from a pool of lock files (`flock`, released by the kernel when the holder dies),
-so two sandboxes never share a uid, across processes too. The workspace is its own tmpfs (size
-and inode caps), and a cgroup per sandbox caps memory and processes when the machine has one.
+The uid comes from one pool of lock files per machine (`flock`, released by the kernel when the
+holder dies), so two sandboxes never share a uid, across processes and sandbox roots too. Keys are
+per uid, not per namespace: a leased uid's user keyrings are emptied before its new holder runs.
+The workspace is its own tmpfs (size and inode caps), and a cgroup per sandbox caps memory and
+processes when the machine has one.
 """
 
 from __future__ import annotations
@@ -22,12 +24,23 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 _UID_BASE = 200_000
 _UID_COUNT = 60_000
+UID_LOCKS = Path("/run/flywheel/sandbox-uids")  # One pool per machine: the uid range is the machine's.
+_CLEAR_KEYRINGS = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+keyctl = {"x86_64": 250, "aarch64": 219}[os.uname().machine]
+for keyring in (-4, -5):  # KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING
+    serial = libc.syscall(keyctl, 0, ctypes.c_int(keyring), 0)  # KEYCTL_GET_KEYRING_ID, no create.
+    if serial > 0 and libc.syscall(keyctl, 7, ctypes.c_int(serial)) != 0:  # KEYCTL_CLEAR
+        raise SystemExit(os.strerror(ctypes.get_errno()))
+"""
 _MS_NOSUID = 2
 _MS_NODEV = 4
 _MNT_DETACH = 2
@@ -58,6 +71,7 @@ class UidLease:
                 continue
             self.uid, self._fd = uid, fd
             kill_uid(uid)  # A crashed holder's stragglers (the namespaces should have left none).
+            clear_keyrings(uid)
             return
         raise OSError(f"no free sandbox uid in {_UID_BASE}..{_UID_BASE + _UID_COUNT}")
 
@@ -65,6 +79,17 @@ class UidLease:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def clear_keyrings(uid: int) -> None:
+    """Empty `uid`'s user and user-session keyrings, as `uid` (only the owner may): a key the last holder
+    of the uid planted would otherwise be readable by the next sandbox leased it."""
+    done = subprocess.run(
+        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-I", "-c", _CLEAR_KEYRINGS],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise OSError(f"cannot clear the keyrings of sandbox uid {uid}: {done.stderr.strip()[-300:]}")
 
 
 def mount_workspace(path: Path, uid: int, size_bytes: int, max_inodes: int) -> None:
@@ -169,7 +194,7 @@ def _cgroup_bases() -> list[tuple[Path, object]]:
     bases: list[tuple[Path, object]] = []
     if (root / "memory" / "memory.limit_in_bytes").exists():
         bases.append((root / "memory" / own.get("memory", "/").lstrip("/"), _v1_memory_files))
-    if (root / "pids" / "pids.max").exists():
+    if (root / "pids" / "cgroup.procs").exists():  # The v1 root has no pids.max; only its children do.
         bases.append((root / "pids" / own.get("pids", "/").lstrip("/"), _v1_pids_files))
     return [(base, files) for base, files in bases if os.access(base, os.W_OK)]
 

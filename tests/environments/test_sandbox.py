@@ -256,7 +256,7 @@ def test_workspaces_a_killed_process_left_mounted_are_swept_and_live_ones_kept(t
     try:
         mounted = [point for point, _ in jail.workspace_mounts(root)]
         assert stale not in mounted and not stale.exists() and live.workspace in mounted
-        assert jail.sweep_stale_workspaces(root, root.parent / f"{root.name}.uids") == 0  # Its uid lock is held.
+        assert jail.sweep_stale_workspaces(root, jail.UID_LOCKS) == 0  # Its uid lock is held.
         assert live.run("echo ok").output.strip() == "ok"
     finally:
         live.cleanup()

@@ -384,3 +384,68 @@ def test_where_isolation_is_required_an_unisolated_sandbox_refuses_to_start(
     with pytest.raises(sandbox_module.SandboxUnavailable, match="FLYWHEEL_REQUIRE_ISOLATION=1.*bubblewrap"):
         LocalSandbox("refused", root=tmp_path)
     assert list(tmp_path.iterdir()) == []  # No workspace left behind.
+
+
+_PLANT_KEY = """
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+print(libc.syscall(248, b"user", b"planted", b"secret", 6, ctypes.c_int(-4)))  # add_key to the user keyring.
+"""
+_FIND_KEY = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+print(libc.syscall(250, 10, ctypes.c_int(-4), b"user", b"planted", 0))  # KEYCTL_SEARCH of @u: serial, or -1.
+"""
+
+
+def _as_uid(uid: int, script: str) -> int:
+    """Run `script` as `uid` (as a sandbox command runs) and return the number it prints."""
+    done = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-I",
+                           "-c", script], capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    return int(done.stdout)
+
+
+@isolated
+def test_a_key_planted_in_the_uids_keyring_is_gone_for_the_next_holder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keyrings belong to the uid, not to a namespace: the pool empties them when it leases the uid again."""
+    from flywheel.environments.sandbox import jail
+
+    monkeypatch.setattr(jail.random, "randrange", lambda n: 12_345)  # The same first-free uid twice.
+    first = jail.UidLease(jail.UID_LOCKS)
+    uid = first.uid
+    assert _as_uid(uid, _PLANT_KEY) > 0 and _as_uid(uid, _FIND_KEY) > 0  # Planted; readable by the uid.
+    first.release()
+    second = jail.UidLease(jail.UID_LOCKS)
+    try:
+        assert second.uid == uid and _as_uid(uid, _FIND_KEY) == -1
+    finally:
+        second.release()
+
+
+@isolated
+def test_two_sandbox_roots_never_lease_the_same_uid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The uid range is the machine's: a pool per root let B's clean-up kill A's command."""
+    from flywheel.environments.sandbox import jail
+
+    monkeypatch.setattr(jail.random, "randrange", lambda n: 23_456)  # Both pools would try the same uid first.
+    a = LocalSandbox("roots-a", root=tmp_path / "a")
+    b = LocalSandbox("roots-b", root=tmp_path / "b")
+    try:
+        assert a.uid != b.uid
+    finally:
+        a.cleanup()
+        b.cleanup()
+
+
+@isolated
+def test_the_pids_cgroup_is_made_on_cgroup_v1_too() -> None:
+    """On v1 the pids hierarchy's root has no pids.max (only its children do): it was never created."""
+    from flywheel.environments.sandbox import jail
+
+    if not (Path("/sys/fs/cgroup/pids/cgroup.procs").exists() or Path("/sys/fs/cgroup/cgroup.controllers").exists()):
+        pytest.skip("no pids cgroup on this machine")
+    group = jail.Cgroup(f"flywheel-test-{os.getpid()}", 64 << 20, 7)
+    try:
+        assert [(p / "pids.max").read_text().strip() for p in group.paths if (p / "pids.max").exists()] == ["7"]
+    finally:
+        group.remove()
