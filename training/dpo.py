@@ -30,6 +30,7 @@ from flywheel.training.device import DeviceSettings
 from flywheel.training.distributed import gathered, my_share, this_device, training_arguments
 from flywheel.training.models import resolve_model
 from flywheel.training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
+from flywheel.training.schedule import warming_up_from_the_first_step
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ def run_dpo(
     parents = model_parents(store, cfg.policy_model, cfg.dataset)
     # The args before any model loads: under ZeRO-3 the loads below are partitioned.
     args = training_arguments(DPOConfig, {**cfg.trainer_kwargs(run.checkpoints), "beta": max(cfg.kl_beta, 1e-3)})
-    trainer = DPOTrainer(
+    trainer = warming_up_from_the_first_step(DPOTrainer)(
         model=str(model_dir),
         ref_model=AutoModelForCausalLM.from_pretrained(ref, **settings.model_kwargs()) if ref else None,
         args=args,

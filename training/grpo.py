@@ -35,6 +35,7 @@ from flywheel.training.distributed import training_arguments
 from flywheel.training.models import resolve_model
 from flywheel.training.rollouts import Outcome, PolicyServer, Task, agent_rollout_func, prompt_key, run_rollouts
 from flywheel.training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
+from flywheel.training.schedule import warming_up_from_the_first_step
 from flywheel.training.screening import screen_tasks
 
 logger = logging.getLogger(__name__)
@@ -226,7 +227,7 @@ def run_grpo(
     dataset, tasks = task_dataset(agents, 1 if cfg.screen_tasks else cfg.num_tasks)  # Screening replaces it.
     parents = model_parents(store, cfg.policy_model)
     stats = RewardStats()
-    trainer = GRPOTrainer(
+    trainer = warming_up_from_the_first_step(GRPOTrainer)(
         model=str(model_dir),  # TRL loads it after the args exist, so ZeRO-3 partitions it while loading.
         reward_funcs=[env_reward(run, cfg.rollouts_every, stats)],
         args=grpo_args(cfg, str(run.checkpoints)),

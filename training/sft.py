@@ -26,6 +26,7 @@ from flywheel.training.config import TrainConfig
 from flywheel.training.distributed import training_arguments
 from flywheel.training.models import TRAINING_TEMPLATE_FILE, resolve_model
 from flywheel.training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
+from flywheel.training.schedule import warming_up_from_the_first_step
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ def run_sft(cfg: SFTRunConfig, store: ArtifactStore, callbacks: list[Any] | None
     data = Dataset.from_dict(tokenize_rows(tokenizer, rows, template, cfg.max_length, cfg.overlong))
     run = RunDir(cfg.logs_root, cfg.output_name)
     parents = model_parents(store, cfg.policy_model, dataset_id)
-    trainer = SFTTrainer(
+    trainer = warming_up_from_the_first_step(SFTTrainer)(
         model=str(model_dir),  # TRL loads it after the args exist, so ZeRO-3 partitions it while loading.
         args=trainer_args(cfg, run.checkpoints),
         train_dataset=data,

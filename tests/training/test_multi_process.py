@@ -73,6 +73,8 @@ def test_two_ranks_store_one_checkpoint_and_write_one_run_folder(
     final = folder / "checkpoints" / "final"
     assert {p.name for p in final.iterdir()} >= MODEL_FILES
     assert store.manifest(added[0]).metrics["steps"] == cfg.total_steps
+    logged = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert next(m for m in logged if "learning_rate" in m)["learning_rate"] > 0  # Step 1 trains (warm-up).
     stored = store.read_bytes(added[0], "model.safetensors")
     assert _shapes(stored) == _shapes((tiny_model / "model.safetensors").read_bytes())
 
