@@ -1,5 +1,6 @@
 """Step checkpoints: a SIGKILLed SFT or GRPO run continues from its last one with no repeated or skipped
-step; a NaN mid-GRPO leaves the last good one as the run's output."""
+step (SFT's weights, optimizer, scheduler and RNG then equal an uninterrupted run's); a NaN mid-GRPO
+leaves the last good one as the run's output."""
 
 from __future__ import annotations
 
@@ -75,6 +76,41 @@ def test_a_sigkilled_run_continues_from_its_last_step_checkpoint(tiny_model: Pat
     assert [m["step"] for m in logged if "loss" in m] == [1, 2, 3, 4]  # Steps 1-2 carried over, 3-4 trained.
     fresh = cfg.model_copy(update={"learning_rate": cfg.learning_rate * 2, "logs_root": str(tmp_path / "fresh")})
     assert step_ref(fresh) != step_ref(cfg)  # Other settings never continue this run's checkpoint.
+    if name == "sft":  # Deterministic on CPU: the resumed run's state is an uninterrupted run's, step for step.
+        whole = cfg.model_copy(update={"output_name": "sft-whole", "logs_root": str(tmp_path / "whole")})
+        run_training(whole, store)
+        _assert_same_state(store, step_ref(again), step_ref(whole), tmp_path)
+
+
+def _assert_same_state(store: ArtifactStore, resumed: str, whole: str, tmp_path: Path) -> None:
+    """Weights, optimizer moments, scheduler and RNG states of two step checkpoints are equal."""
+    from safetensors.torch import load_file
+
+    a, b = store.get(resumed, tmp_path / "resumed"), store.get(whole, tmp_path / "whole-state")
+    assert store.manifest(resumed).params["step"] == store.manifest(whole).params["step"] == 4
+    weights_a, weights_b = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert weights_a.keys() == weights_b.keys()
+    assert all(torch.allclose(weights_a[k], weights_b[k], atol=1e-6) for k in weights_a)
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        _assert_equal(torch.load(a / name, weights_only=False), torch.load(b / name, weights_only=False), name)
+
+
+def _assert_equal(x: object, y: object, where: str) -> None:
+    """Nested state dicts equal: tensors within 1e-6, everything else exactly."""
+    if isinstance(x, dict):
+        assert isinstance(y, dict) and x.keys() == y.keys(), where
+        for key in x:
+            _assert_equal(x[key], y[key], f"{where}/{key}")
+    elif isinstance(x, list | tuple):
+        assert isinstance(y, list | tuple) and len(x) == len(y), where
+        for i, (u, v) in enumerate(zip(x, y, strict=True)):
+            _assert_equal(u, v, f"{where}[{i}]")
+    elif isinstance(x, torch.Tensor):
+        assert torch.allclose(x.float(), y.float(), atol=1e-6), where
+    elif hasattr(x, "tolist"):  # numpy's RNG state.
+        assert x.tolist() == y.tolist(), where
+    else:
+        assert x == y, where
 
 
 def test_a_nan_mid_grpo_leaves_the_last_good_checkpoint_as_the_output(
