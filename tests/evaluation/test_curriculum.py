@@ -35,7 +35,8 @@ def classes(curriculum: dict, env: str = "tool_use_chain") -> dict[str, str]:
 
 
 def test_doc_examples() -> None:
-    assert doctest.testmod(curriculum_module).failed == 0
+    failed, attempted = doctest.testmod(curriculum_module)
+    assert attempted >= 2 and failed == 0  # `wilson`'s and `largest_remainder`'s examples ran and held.
 
 
 def test_slices_are_classed_by_their_intervals_and_mastery_unlocks_the_next_difficulty() -> None:
@@ -58,10 +59,31 @@ def test_thin_evidence_climbs_to_the_env_and_says_so() -> None:
     row = build_curriculum(outcomes(script), FAMILIES)["tool_use_chain"]["slices"][0]
     assert row["slice"] == "todo_report/easy" and row["class"] == "unsolved"
     assert row["evidence"] == "tool_use_chain/*/easy"
+    # 1 of 4 is not decisive; with the locked slice's 0 of 30 the env's 1 of 34 would be (unsolved).
+    locked_failures = {("todo_report", "easy"): (1, 4), ("csv_summary", "hard"): (0, 30)}
+    row = build_curriculum(outcomes(locked_failures), FAMILIES)["tool_use_chain"]["slices"][0]
+    assert (row["class"], row["evidence"]) == ("learnable", "undecided")
     # Mixed results everywhere: nothing decisive at any level -> learnable, "undecided".
     mixed = {(c, "easy"): (1, 2) for c in CATEGORIES}
     row = build_curriculum(outcomes(mixed), FAMILIES)["tool_use_chain"]["slices"][0]
     assert row["class"] == "learnable" and row["evidence"] == "undecided"
+
+
+def test_a_parents_evidence_decides_only_for_a_slice_whose_own_outcomes_agree() -> None:
+    """The env's other easy slices won 24 of 24: a slice that won 2 of its 2 items is mastered by that evidence,
+    one that won 1 of 3 is not (nor unlocks its next difficulty); a slice that won 2 of 3 beside 0 of 24 is not
+    unsolved."""
+    strong = {("line_count", "easy"): (12, 12), ("csv_summary", "easy"): (12, 12)}
+    agreeing = build_curriculum(outcomes({**strong, ("todo_report", "easy"): (2, 2)}), FAMILIES)
+    row = agreeing["tool_use_chain"]["slices"][0]
+    assert (row["slice"], row["class"], row["evidence"]) == ("todo_report/easy", "mastered", "tool_use_chain/*/easy")
+    contrary = build_curriculum(outcomes({**strong, ("todo_report", "easy"): (1, 3)}), FAMILIES)
+    row = contrary["tool_use_chain"]["slices"][0]
+    assert (row["class"], row["evidence"]) == ("learnable", "undecided")
+    assert classes(contrary)["todo_report/medium"] == "locked"
+    weak = {("line_count", "easy"): (0, 12), ("csv_summary", "easy"): (0, 12)}
+    row = build_curriculum(outcomes({**weak, ("todo_report", "easy"): (2, 3)}), FAMILIES)["tool_use_chain"]["slices"][0]
+    assert (row["class"], row["evidence"]) == ("learnable", "undecided")
 
 
 def test_unlocks_persist_and_a_fixed_difficulty_never_locks() -> None:
@@ -72,8 +94,9 @@ def test_unlocks_persist_and_a_fixed_difficulty_never_locks() -> None:
     assert classes(second)["todo_report/medium"] != "locked" and second["tool_use_chain"]["newly_unlocked"] == []
     fixed = build_curriculum(outcomes({("todo_report", "hard"): (0, 12)}), FAMILIES, difficulty="hard")
     assert classes(fixed) == {f"{c}/hard": "unsolved" for c in CATEGORIES}  # Unseen: no success yet.
-    evidence = [r["evidence"] for r in fixed["tool_use_chain"]["slices"]]
-    assert evidence == ["tool_use_chain/todo_report/hard", "no success yet", "no success yet"]
+    evidence = [(r["evidence"], r["ci"]) for r in fixed["tool_use_chain"]["slices"]]
+    unseen = ("no success yet", [0.0, 1.0])  # No outcome: any rate.
+    assert evidence == [("tool_use_chain/todo_report/hard", [0.0, 0.2425]), unseen, unseen]
 
 
 def test_the_generation_plan_routes_classes_to_actors_and_generation_follows_it_exactly() -> None:
@@ -321,6 +344,12 @@ def test_teacher_data_goes_to_the_focus_easiest_slices_in_reach() -> None:
     picked = {(env, row["slice"]) for env, spec in spread.items() for row in spec["slices"] if row["groups"]}
     easiest = {("tool_use_chain", f"{c}/easy") for c in CATEGORIES}  # 3 turns.
     assert picked == easiest | {("swe_bench", "off_by_one/easy"), ("web_navigation", "lookup_price/easy")}
+    # A teacher that needs exactly `max_turns` is in reach.
+    exact = build_curriculum([], {"swe_bench": swe, "long_horizon": families["long_horizon"]})
+    plan_generation(exact, groups=6, max_turns=5)
+    easy = {row["slice"]: row for spec in exact.values() for row in spec["slices"] if row["slice"].endswith("/easy")}
+    assert [easy[f"{c}/easy"]["groups"] for c in swe] == [2, 2, 2]
+    assert all("out of reach" in easy[f"{c}/easy"]["waits"] for c in families["long_horizon"])
     # Nothing in reach at all: every unsolved slice is taught as before.
     only_long = build_curriculum([], {"long_horizon": families["long_horizon"]})
     plan_generation(only_long, groups=3, max_turns=6)

@@ -3,14 +3,12 @@ regression and accepts a planted improvement."""
 
 from __future__ import annotations
 
-import doctest
 import io
 import json
 import random
 
 from flywheel.data import ArtifactStore
 from flywheel.evaluation import gate as gate_module
-from flywheel.evaluation import weakness
 from flywheel.evaluation.gate import GateConfig, decide, gate
 from flywheel.evaluation.weakness import CurriculumSpec, MiningConfig, flatten, mine, mine_to_store
 
@@ -44,10 +42,6 @@ PLANTED = {
     ("tool_use_chain", "csv_summary", "easy"): 0.9,
     ("swe_bench", "off_by_one", "medium"): 0.8,
 }
-
-
-def test_wilson_doc_example() -> None:
-    assert doctest.testmod(weakness).failed == 0
 
 
 def test_miner_ranks_the_planted_weak_slice_first() -> None:
@@ -129,6 +123,57 @@ def test_gate_accepts_an_improvement_and_refuses_a_regression() -> None:
     assert not decide(champion, better)["promote"]
 
 
+def _wins(wins: int, n: int = 30) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """Candidate and champion on `n` shared items: the candidate alone solves `wins`, the rest are ties."""
+    keys = [f"tool_use_chain:{i}" for i in range(n)]
+    return {"primary": {k: float(i < wins) for i, k in enumerate(keys)}}, {"primary": dict.fromkeys(keys, 0.0)}
+
+
+def test_gate_promotes_only_at_the_bootstrap_confidence() -> None:
+    """A resample of 30 items beats the champion iff it draws a won item: P(better) = 1 - (1 - wins/30)^30,
+    0.874 for 2 wins (under the default 0.9: refused although the mean is up) and 0.958 for 3 (promoted)."""
+    below, above = decide(*_wins(2)), decide(*_wins(3))
+    assert below["primary_delta"] > 0 and abs(below["p_better"] - (1 - (28 / 30) ** 30)) < 0.02
+    assert not below["promote"] and "< 0.9" in below["reason"]
+    assert abs(above["p_better"] - (1 - (27 / 30) ** 30)) < 0.02 and above["promote"]
+    # A confidence equal to the estimate is met.
+    assert decide(*_wins(3), GateConfig(confidence=above["p_better"]))["promote"]
+    assert not decide(*_wins(3), GateConfig(confidence=above["p_better"] + 0.0005))["promote"]
+
+
+def test_a_guard_may_drop_by_the_tolerance_and_no_more() -> None:
+    """The primary metric is clearly up (env a: +10 of 20); env b drops 1 of its 20 items (exactly the 0.05
+    tolerance: allowed), then 2 (refused)."""
+
+    def outcomes(a: int, b: int) -> dict[str, dict[str, float]]:
+        """Successes on the first `a` of env a's 20 items and the last `b` of env b's."""
+        envs = {
+            "env/a": {f"a:{i}": float(i < a) for i in range(20)},
+            "env/b": {f"b:{i}": float(i >= 20 - b) for i in range(20)},
+        }
+        return {"primary": envs["env/a"] | envs["env/b"], **envs}
+
+    champion = outcomes(0, 20)
+    within = decide(outcomes(10, 19), champion)
+    assert within["promote"] and within["guards"] == {
+        "env/a": {"delta": 0.5, "n": 20, "regressed": False},
+        "env/b": {"delta": -0.05, "n": 20, "regressed": False},
+    }
+    beyond = decide(outcomes(10, 18), champion)
+    assert beyond["p_better"] >= 0.9 and not beyond["promote"]
+    assert beyond["guards"]["env/b"] == {"delta": -0.1, "n": 20, "regressed": True} and "env/b" in beyond["reason"]
+
+
+def test_a_metric_without_shared_items_is_reported_unguarded() -> None:
+    """Nothing to compare is no regression, but the decision says which metrics went unguarded."""
+    candidate, champion = _wins(3)
+    candidate["task/arc"], champion["task/arc"] = {"0#new": 1.0}, {"0#old": 1.0}  # The task changed: no pair.
+    candidate["task/mmlu"] = {"0#a": 0.0}  # Only the candidate ran it.
+    decision = decide(candidate, champion)
+    assert decision["promote"] and decision["guards"] == {} and decision["unguarded"] == ["task/arc", "task/mmlu"]
+    assert decision["reason"].endswith("; not guarded (no shared items): task/arc, task/mmlu")
+
+
 def test_gate_moves_the_champion_ref_and_records_the_decision(store: ArtifactStore) -> None:
     weak, strong = store.put("checkpoint", "m1", {"w": b"1"}), store.put("checkpoint", "m2", {"w": b"2"})
     base = {("tool_use_chain", "todo_report", "easy"): 0.3}
@@ -204,14 +249,19 @@ def test_gate_judges_the_champion_again_when_the_held_out_items_changed(store: A
     candidate = store.put("eval", "agentic", {"samples/tool_use_chain.jsonl": _jsonl(moved)})
     recorded = recorded_evals(store, old.id)
     assert recorded == [first.id] and not shares_items(store, [candidate.id], recorded)
-    refused = gate(store, [candidate.id], new.id, name="unfair")
-    assert "no shared primary items" in store.read_json(refused.id, "decision.json")["reason"]
+    assert recorded_evals(store, new.id) == []  # What was recorded is the champion's, not any model's.
+    unfair = store.read_json(gate(store, [candidate.id], new.id, name="unfair").id, "decision.json")
+    assert not unfair["promote"] and "no shared primary items" in unfair["reason"]
+    assert store.resolve("champion") == old.id
     # The champion judged on the candidate's items (here: it solves a fifth of them).
     rejudged = [{**s, "item_id": "v2-" + s["item_id"]} for s in _samples({slice_: 0.2}, n=40, seed=6)]
     champion_eval = store.put("eval", "agentic", {"samples/tool_use_chain.jsonl": _jsonl(rejudged)})
     assert shares_items(store, [candidate.id], [champion_eval.id])
     fair = store.read_json(gate(store, [candidate.id], new.id, champion_evals=[champion_eval.id]).id, "decision.json")
     assert fair["promote"] and fair["n_shared"] == 40 and store.resolve("champion") == new.id
+    # The same gate again (a resumed round) finds its candidate champion already and keeps it.
+    again = gate(store, [candidate.id], new.id, champion_evals=[champion_eval.id], champion=old.id, name="again")
+    assert store.read_json(again.id, "decision.json")["promote"] and store.resolve("champion") == new.id
 
 
 def test_an_item_whose_task_changed_is_not_the_same_item(store: ArtifactStore) -> None:

@@ -6,13 +6,13 @@ machine that cannot isolate fails instead of skipping them.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -243,11 +243,12 @@ def test_sys_and_host_sockets_are_out_of_reach(box: LocalSandbox) -> None:
 # -- file tools ------------------------------------------------------------------------------------
 
 SWAPPER = r"""
-import ctypes, os, time
+import ctypes, time
 libc = ctypes.CDLL(None, use_errno=True)
-end = time.time() + float(os.environ.get('SWAP_SECONDS', '3'))
+swaps, end = 0, time.time() + 3
 while time.time() < end:
-    libc.renameat2(-100, b'd', -100, b'l', 2)  # RENAME_EXCHANGE: folder <-> symlink to the host.
+    swaps += libc.renameat2(-100, b'd', -100, b'l', 2) == 0  # RENAME_EXCHANGE: folder <-> symlink to the host.
+print('swaps', swaps)
 """
 
 
@@ -260,15 +261,21 @@ def test_file_tools_cannot_be_raced_out_of_the_workspace(box: LocalSandbox, tmp_
     box.write_file("d/secret.txt", "decoy")
     box.write_file("swap.py", SWAPPER)
     box.run(f"ln -s {host} l")
-    racer = threading.Thread(target=box.run, args=("python swap.py",), daemon=True)
+    raced: list[str] = []
+    racer = threading.Thread(target=lambda: raced.append(box.run("python swap.py").output), daemon=True)
     racer.start()
     time.sleep(0.3)
-    seen = set()
-    for _ in range(300):
+    seen, refused = Counter[object](), 0
+    while racer.is_alive():  # Every tool call below races the swapper.
         for action in (lambda: box.read_file("d/secret.txt"), lambda: box.write_file("d/planted.txt", "pwn")):
-            with contextlib.suppress(SandboxViolation, OSError):
-                seen.add(action())
+            try:
+                seen[action()] += 1
+            except (SandboxViolation, OSError):
+                refused += 1
     racer.join(timeout=15)
+    # The racer swapped thousands of times while the tools ran: they read the decoy and were refused the symlink.
+    assert raced and raced[0].startswith("swaps ") and int(raced[0].split()[1]) > 1000, raced
+    assert seen["decoy"] and refused, (seen, refused)
     assert "host-secret" not in seen
     assert not (host / "planted.txt").exists()
     assert (host / "secret.txt").stat().st_uid == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,9 @@ from flywheel.environments.agent.policies import ScriptedPolicy, call, final
 from flywheel.environments.hermes_base_env import HermesAgentBaseEnv
 from flywheel.environments.long_horizon import LongHorizonEnv
 from flywheel.environments.swe_bench import SWEBenchEnv
+from flywheel.environments.tasks import web_tasks
 from flywheel.environments.verify.hidden_tests import parse_junit
+from flywheel.environments.web.site import Product, catalog
 from flywheel.environments.web_navigation import WebNavigationEnv
 
 Policy = Callable[[dict[str, Any]], list[dict[str, Any]]]
@@ -232,6 +235,56 @@ def test_open_url_reaches_only_the_tasks_own_shop(tiny_model: Path, url: str) ->
 
     asyncio.run(run())
     assert len(seen) == 1 and "only the task's own shop is reachable" in seen[0]
+
+
+def _web_task(category: str) -> tuple[dict[str, Any], list[int], list[Product]]:
+    """A web item as the env scores it (with its category), its oracle's ids and its shop's products
+    (medium, seed 2: its under_price shelf has a product out of stock and one over the limit)."""
+    item = {**web_tasks.make_task(random.Random(2), category, "medium"), "category": category}
+    (submit,) = [action for action in item["oracle"] if action.get("tool") == "submit_answer"]
+    return item, submit["arguments"]["product_ids"], catalog(item["shop"]["key"], item["shop"]["difficulty"])
+
+
+def test_web_under_price_takes_only_qualifying_ids_each_once() -> None:
+    """The oracle's ids pass; padded, repeated, or with one swapped for a product that misses a condition
+    (shelf, stock, price, existence), they earn nothing."""
+    item, honest, products = _web_task("under_price")
+    shelf, limit = item["answer"]["shelf"], item["answer"]["limit"]
+    other_shelf = next(p.id for p in products if p.shelf != shelf and p.in_stock and p.price <= limit)
+    out_of_stock = next(p.id for p in products if p.shelf == shelf and not p.in_stock and p.price <= limit)
+    over_limit = next(p.id for p in products if p.shelf == shelf and p.in_stock and p.price > limit)
+    assert web_tasks.verify(item, {"product_ids": honest, "price": None})
+    cheats = {
+        "padded": [*honest, other_shelf],
+        "duplicated": [*honest, honest[0]],
+        "one_id_thrice": [honest[0]] * len(honest),
+        "other_shelf": [*honest[1:], other_shelf],
+        "out_of_stock": [*honest[1:], out_of_stock],
+        "over_limit": [*honest[1:], over_limit],
+        "unknown_id": [*honest[1:], max(p.id for p in products) + 1],
+        "whole_shop": [p.id for p in products],
+    }
+    accepted = [name for name, ids in cheats.items() if web_tasks.verify(item, {"product_ids": ids, "price": None})]
+    assert accepted == []
+
+
+def test_web_lookup_price_and_cheapest_need_the_exact_ids_and_the_price_to_the_cent() -> None:
+    """A price a cent off or missing, another product, or an extra id earns nothing."""
+    item, honest, products = _web_task("lookup_price")
+    price, other = item["answer"]["price"], next(p for p in products if p.id not in honest)
+    assert web_tasks.verify(item, {"product_ids": honest, "price": price})
+    cheats = {
+        "a_cent_off": {"product_ids": honest, "price": round(price + 0.01, 2)},
+        "a_dollar_off": {"product_ids": honest, "price": price - 1},
+        "no_price": {"product_ids": honest, "price": None},
+        "other_product": {"product_ids": [other.id], "price": other.price},
+        "padded": {"product_ids": [*honest, other.id], "price": price},
+    }
+    assert [name for name, submitted in cheats.items() if web_tasks.verify(item, submitted)] == []
+    cheapest, target, products = _web_task("cheapest")
+    assert web_tasks.verify(cheapest, {"product_ids": target, "price": None})
+    padded = [*target, next(p.id for p in products if p.id not in target)]
+    assert not web_tasks.verify(cheapest, {"product_ids": padded, "price": None})
 
 
 def test_junit_parser_counts_failures_errors_and_skips() -> None:
