@@ -149,12 +149,21 @@ def test_tool_use_chain_huge_reports_score_zero_quickly(tiny_model: Path, comman
     assert time.monotonic() - started < 60  # Loose: a verifier parsing 30 MB of rows took minutes and 1.5 GB.
 
 
+@pytest.fixture(scope="module")
+def long_horizon_oracle(tiny_model: Path) -> float:
+    """The oracle's long-horizon reward: every milestone."""
+    (reward,) = _rewards(LongHorizonEnv, tiny_model, lambda item: item["oracle"])
+    return reward
+
+
 @pytest.mark.parametrize(
     "pyproject",
-    [HOSTILE_TOML["deep_dotted_key"], HOSTILE_TOML["deep_arrays"], "[" + ".".join(["t"] * 5000) + "]", "\x00" * 64],
-    ids=["deep_dotted_key", "deep_arrays", "table_5000_deep", "binary"],
+    ["[" + ".".join(["t"] * 5000) + "]", HOSTILE_TOML["deep_arrays"]],
+    ids=["table_5000_deep", "deep_arrays"],  # The parser-level variants are the HOSTILE_TOML cases above.
 )
-def test_long_horizon_hostile_pyproject_costs_only_its_milestone(tiny_model: Path, pyproject: str) -> None:
+def test_long_horizon_hostile_pyproject_costs_only_its_milestone(
+    tiny_model: Path, long_horizon_oracle: float, pyproject: str
+) -> None:
     """The oracle's project with a hostile pyproject.toml committed: judged, scored below the oracle, not None."""
 
     def hostile(item: dict[str, Any]) -> list[dict[str, Any]]:
@@ -162,9 +171,8 @@ def test_long_horizon_hostile_pyproject_costs_only_its_milestone(tiny_model: Pat
         return [*actions, call("write_file", path="pyproject.toml", content=pyproject),
                 call("terminal", command="git add -A && git commit -qm pyproject"), final("Done.")]  # fmt: skip
 
-    (oracle,) = _rewards(LongHorizonEnv, tiny_model, lambda item: item["oracle"])
     (reward,) = _rewards(LongHorizonEnv, tiny_model, hostile)
-    assert reward is not None and 0 < reward < oracle
+    assert reward is not None and 0 < reward < long_horizon_oracle
 
 
 @pytest.mark.parametrize(
