@@ -83,13 +83,26 @@ class UidLease:
 
 def clear_keyrings(uid: int) -> None:
     """Empty `uid`'s user and user-session keyrings, as `uid` (only the owner may): a key the last holder
-    of the uid planted would otherwise be readable by the next sandbox leased it."""
+    of the uid planted would otherwise be readable by the next sandbox leased it. A uid with no keyring
+    (no line in /proc/key-users, the usual case) needs no child process on each lease."""
+    if uid not in _uids_with_keys():
+        return
     done = subprocess.run(
         ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-I", "-c", _CLEAR_KEYRINGS],
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     if done.returncode != 0:
         raise OSError(f"cannot clear the keyrings of sandbox uid {uid}: {done.stderr.strip()[-300:]}")
+
+
+def _uids_with_keys() -> set[int]:
+    """The uids that own keys or keyrings now (`/proc/key-users`: `<uid>: <usage> ...`); all of them if it
+    cannot be read, so a lease clears rather than skips."""
+    try:
+        lines = Path("/proc/key-users").read_text().splitlines()
+    except OSError:
+        return set(range(_UID_BASE, _UID_BASE + _UID_COUNT))
+    return {int(line.split(":")[0]) for line in lines if line.split(":")[0].strip().isdigit()}
 
 
 def mount_workspace(path: Path, uid: int, size_bytes: int, max_inodes: int) -> None:
