@@ -49,17 +49,21 @@ held = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p i
 share = held / sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3: this rank's part of the weights.
 facts = {"engine": type(engine).__name__, "stage": stage, "offload": offload, "ranks": trainer.args.world_size,
          "share": round(share, 2)}
-print(f"ENGINE {os.environ.get('RANK', '0')} " + json.dumps(facts))
-print("LOSSES " + json.dumps([m["loss"] for m in run.read_metrics() if "loss" in m]))
+# One small write a line: two ranks share the pipe, and a buffered flush at exit could interleave.
+print(f"ENGINE {os.environ.get('RANK', '0')} " + json.dumps(facts), flush=True)
+print("LOSSES " + json.dumps([m["loss"] for m in run.read_metrics() if "loss" in m]), flush=True)
 """
 
 
-def _run(command: list[str], env: dict[str, str], tmp_path: Path) -> tuple[list[float], list[dict]]:
+def _run(
+    command: list[str], tiny_model: Path, stage: str, env: dict[str, str], tmp_path: Path
+) -> tuple[list[float], list[dict]]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     script = tmp_path / "run_sft.py"
     script.write_text(_RUN)
-    result = subprocess.run([*command, str(script), *env.pop("ARGS").split("|")], capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=900, cwd=ROOT)  # fmt: skip
+    result = subprocess.run([*command, str(script), str(tiny_model), stage, str(tmp_path)], capture_output=True,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=900,
+                            cwd=ROOT)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("LOSSES ", "ENGINE "))]
     losses = [json.loads(text) for kind, text in lines if kind == "LOSSES"]
@@ -71,17 +75,16 @@ def _losses(tiny_model: Path, stage: str, tmp_path: Path) -> tuple[list[float], 
     env = {
         "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
         "TORCH_EXTENSIONS_DIR": str(Path.home() / ".cache" / "flywheel" / "torch_extensions"),
-        "ARGS": f"{tiny_model}|{stage}|{tmp_path}",
     }  # fmt: skip
-    losses, (engine,) = _run([sys.executable], env, tmp_path)
+    losses, (engine,) = _run([sys.executable], tiny_model, stage, env, tmp_path)
     return losses, engine
 
 
 def _launched(tiny_model: Path, stage: str, tmp_path: Path) -> tuple[list[float], list[dict]]:
     """The same run as two ranks, launched as `flywheel train --gpus 2` launches them."""
     command = launcher(SFTRunConfig(dataset="x", deepspeed=None if stage == "none" else stage), 2)
-    env = {"MASTER_PORT": str(free_port()), "ARGS": f"{tiny_model}|{stage}|{tmp_path}"}
-    return _run([*command, "--main_process_port", env["MASTER_PORT"]], env, tmp_path)
+    port = str(free_port())
+    return _run([*command, "--main_process_port", port], tiny_model, stage, {"MASTER_PORT": port}, tmp_path)
 
 
 @pytest.fixture(scope="module")
