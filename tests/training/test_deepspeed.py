@@ -49,9 +49,10 @@ held = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p i
 share = held / sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3: this rank's part of the weights.
 facts = {"engine": type(engine).__name__, "stage": stage, "offload": offload, "ranks": trainer.args.world_size,
          "share": round(share, 2)}
-# One small write a line: two ranks share the pipe, and a buffered flush at exit could interleave.
-print(f"ENGINE {os.environ.get('RANK', '0')} " + json.dumps(facts), flush=True)
-print("LOSSES " + json.dumps([m["loss"] for m in run.read_metrics() if "loss" in m]), flush=True)
+# Each line in one write (print writes the text and its newline apart): two ranks share the pipe.
+sys.stdout.write(f"ENGINE {os.environ.get('RANK', '0')} " + json.dumps(facts) + "\\n")
+sys.stdout.write("LOSSES " + json.dumps([m["loss"] for m in run.read_metrics() if "loss" in m]) + "\\n")
+sys.stdout.flush()
 """
 
 
