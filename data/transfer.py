@@ -31,6 +31,7 @@ from flywheel.data.refs import open_regular, publish, staged_file
 
 STAGING = "tmp"
 _CHUNK = 8 * 1024 * 1024  # Local copy and hash step.
+_HASH_LAG = 16  # Chunks a local copy may run ahead of its hash: 128 MiB, still in the page cache.
 _PART = 32 * 1024 * 1024  # S3 multipart part and ranged-GET size, sent or fetched 8 at a time.
 _SINGLE_PUT_MAX = 100 * 1024 * 1024  # Below this one PUT, as s3fs itself does (2 x its 50 MiB part).
 _MAX_PARTS = 10_000
@@ -63,7 +64,7 @@ class Transfer:
 
     def _put_local_file(self, path: Path, before: os.stat_result, progress: Progress | None) -> FileEntry:
         with staged_file(self.staging) as (staged, handle), open(path, "rb") as source:
-            digest, size = _copy_file_hashing(source, handle, progress)
+            digest, size = _copy_file_hashing(source, handle, progress, flush=True)
             _check_unchanged(path, before)
             final = Path(self._blob_path(digest))
             if not self._present(str(final), size):
@@ -274,22 +275,28 @@ def copy_hashing(source: BinaryIO, write: Writer | None, progress: Progress | No
     return digest.hexdigest(), size
 
 
-def _copy_file_hashing(source: BinaryIO, dest: BinaryIO, progress: Progress | None) -> tuple[str, int]:
+def _copy_file_hashing(
+    source: BinaryIO, dest: BinaryIO, progress: Progress | None, flush: bool = False
+) -> tuple[str, int]:
     """Copy file to file in the kernel (shutil's sendfile path), hashing each chunk read back from `dest`.
 
     What gets hashed is the copy itself, at the cost of one memory copy per byte rather than two
-    for read+write; a second core hashes chunk k while the kernel copies chunk k+1. Where the
-    system cannot sendfile between these files, it falls back to read + write, as shutil does.
+    for read+write. SHA-256 is slower than a kernel copy, so the copy runs up to `_HASH_LAG` chunks
+    ahead of a second core hashing behind it, and with `flush` the copy's write-back to disk starts
+    as soon as the last chunk is copied, while the hash catches up: the fsync before publishing then
+    finds little left. Where the system cannot sendfile between these files, it falls back to
+    read + write, as shutil does.
     """
     in_fd, out_fd = source.fileno(), dest.fileno()
     digest = hashlib.sha256()
     size = 0
-    hashed: Future[None] | None = None
+    behind: collections.deque[Future[None]] = collections.deque()
 
     def hash_back(offset: int, length: int) -> None:
         digest.update(os.pread(out_fd, length, offset))
 
-    with ThreadPoolExecutor(1) as pool:
+    # One worker each: hashes must run in order, and the flush must not wait behind them.
+    with ThreadPoolExecutor(1) as hasher, ThreadPoolExecutor(1) as flusher:
         while True:
             try:
                 sent = os.sendfile(out_fd, in_fd, None, _CHUNK)
@@ -299,14 +306,17 @@ def _copy_file_hashing(source: BinaryIO, dest: BinaryIO, progress: Progress | No
                 return copy_hashing(source, dest.write, progress)
             if not sent:
                 break
-            if hashed is not None:
-                hashed.result()
-            hashed = pool.submit(hash_back, size, sent)
+            if len(behind) == _HASH_LAG:
+                behind.popleft().result()
+            behind.append(hasher.submit(hash_back, size, sent))
             size += sent
             if progress is not None:
                 progress(sent)
-        if hashed is not None:
+        flushed = flusher.submit(os.fsync, out_fd) if flush else None
+        for hashed in behind:
             hashed.result()
+        if flushed is not None:
+            flushed.result()
     return digest.hexdigest(), size
 
 
