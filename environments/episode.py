@@ -14,7 +14,7 @@ from typing import Any
 
 from flywheel.environments.agent.messages import messages_with_json_arguments
 from flywheel.environments.agent_loop import AgentResult, sanitize
-from flywheel.environments.base import Action, BaseEnvironment, State, StepResult
+from flywheel.environments.base import Action, BaseEnvironment, State, StepResult, ToolCall
 from flywheel.environments.errors import AgentError
 from flywheel.environments.tool_context import ToolContext
 
@@ -120,14 +120,19 @@ class AgentEpisodes(BaseEnvironment):
 
 
 def _as_action(action: Action | str | dict[str, Any], parser: str) -> Action:
-    """An `Action` from an `Action`, raw reply text, or an oracle's `{"tool": ..}` / `{"final": ..}` dict."""
+    """An `Action` from an `Action`, raw reply text, or an oracle's `{"tool": ..}` / `{"calls": [..]}` /
+    `{"final": ..}` dict."""
     if isinstance(action, Action):
         return action
     if isinstance(action, str):
         return Action.from_reply(action, parser)
     if isinstance(action, dict) and isinstance(action.get("tool"), str):
         return Action.call(action["tool"], **(action.get("arguments") or {}))
+    batch = action.get("calls") if isinstance(action, dict) else None
+    if isinstance(batch, list) and batch and all(isinstance(one, dict) and isinstance(one.get("tool"), str)
+                                                 for one in batch):  # fmt: skip
+        return Action(tool_calls=[ToolCall(one["tool"], one.get("arguments") or {}) for one in batch])
     if isinstance(action, dict) and isinstance(action.get("final"), str):
         return Action(text=action["final"])
-    raise TypeError(f"an action is an Action, reply text, {{'tool': ..., 'arguments': ...}} or {{'final': text}}, "
-                    f"not {action!r:.80}")  # fmt: skip
+    raise TypeError(f"an action is an Action, reply text, {{'tool': ..., 'arguments': ...}}, {{'calls': [tool "
+                    f"calls]}} or {{'final': text}}, not {action!r:.80}")  # fmt: skip

@@ -2,7 +2,8 @@
 
 A policy answers `chat_completion(**kwargs)` like atroposlib's ServerManager. It plays a list
 of actions, one per turn: `{"tool": name, "arguments": {...}}` becomes a tool call written in
-the env's parser format (so parsing is exercised too), `{"final": text}` ends the episode.
+the env's parser format (so parsing is exercised too), `{"calls": [...]}` several in one reply (a
+`batch` of independent calls), `{"final": text}` ends the episode.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ class ScriptedPolicy:
         if "final" in action:
             text = action["final"]
         else:
-            text = self.parser.tool_call_text(action["tool"], action.get("arguments", {}))
+            calls = action.get("calls") or [action]
+            text = "\n".join(self.parser.tool_call_text(c["tool"], c.get("arguments", {})) for c in calls)
         message = SimpleNamespace(content=text, tool_calls=None, role="assistant")
         return SimpleNamespace(choices=[SimpleNamespace(message=message, finish_reason="stop")], usage=None)
 
@@ -41,6 +43,11 @@ def do_nothing() -> list[Action]:
 def call(tool: str, **arguments: Any) -> Action:
     """One tool-call action (helper for oracles and adversaries)."""
     return {"tool": tool, "arguments": arguments}
+
+
+def batch(*calls: Action) -> Action:
+    """Several independent tool calls in one reply: one model turn (the loop runs them in order)."""
+    return {"calls": list(calls)}
 
 
 def final(text: str) -> Action:

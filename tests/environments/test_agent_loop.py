@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from flywheel.environments.agent.policies import ScriptedPolicy, call, final
+from flywheel.environments.agent.policies import ScriptedPolicy, batch, call, final
 from flywheel.environments.agent.tools import TOOLSETS, Tool, tool
 from flywheel.environments.agent_loop import HermesAgentLoop
 from flywheel.environments.errors import InfraError
@@ -86,6 +86,14 @@ def test_tool_errors_go_back_to_the_model_and_are_recorded() -> None:
     assert tool_messages[0]["content"].startswith("Error: unknown tool")
     assert tool_messages[-1]["content"].startswith("wrote 2 characters")
     assert result.finished_naturally and result.turns_used == 5
+
+
+def test_a_batch_is_one_turn_whose_calls_run_in_order() -> None:
+    """An oracle's `batch` of independent calls is one reply: one turn, every call run, in order."""
+    actions = [batch(call("write_file", path="a.txt", content="1"), call("read_file", path="a.txt")), final("done")]
+    result = _run(_loop(ScriptedPolicy(actions)))
+    assert result.turns_used == 2 and result.finished_naturally and not result.tool_errors
+    assert [m["content"] for m in result.messages if m["role"] == "tool"] == ["wrote 1 characters to a.txt", "1"]
 
 
 def test_tool_calls_beyond_the_cap_are_reported_to_the_model_not_run() -> None:
