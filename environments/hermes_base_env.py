@@ -41,6 +41,7 @@ from flywheel.environments.episode import AgentEpisodes
 from flywheel.environments.process_mode import write_groups
 from flywheel.environments.sandbox.box import isolation_report
 from flywheel.environments.sandbox.workspace import WorkspaceItems
+from flywheel.environments.task_stream import turn_budget
 from flywheel.environments.tool_call_parsers import PARSERS, get_parser
 from flywheel.environments.tool_context import ToolContext
 from flywheel.environments.verify.scoring import RolloutScoring
@@ -60,7 +61,12 @@ class HermesAgentEnvConfig(BaseEnvConfig):
 
     # -- agent
     enabled_toolsets: list[str] = Field(default=["terminal", "file"], description="Toolsets the agent may use.")
-    max_agent_turns: int = Field(default=12, ge=1, description="Model calls per rollout before it is cut off.")
+    max_agent_turns: int = Field(
+        default=12,
+        ge=1,
+        description="Model calls per rollout before it is cut off; a task whose oracle is longer gets "
+        "1.5 x its oracle's calls (its horizon).",
+    )
     agent_temperature: float = Field(default=1.0, ge=0, description="Sampling temperature for training rollouts.")
     system_prompt: str | None = Field(default=DEFAULT_SYSTEM_PROMPT, description="System message of every rollout.")
     tool_call_parser: str = Field(default="hermes", description="Parser for tool calls in raw model text.")
@@ -240,7 +246,7 @@ class HermesAgentBaseEnv(BaseEnv, RolloutScoring, WorkspaceItems, AgentEpisodes)
                 valid_tool_names=names,
                 task_id=task_id,
                 tools=self.extra_tools(),
-                **self.loop_settings(schemas, temperature),
+                **self.loop_settings(schemas, temperature) | {"max_turns": self.turn_budget(item)},
                 render_prompt=None if oracle else self._prompt_renderer(schemas),
             )
             result = await loop.run(self.build_messages(item, schemas))
@@ -249,6 +255,12 @@ class HermesAgentBaseEnv(BaseEnv, RolloutScoring, WorkspaceItems, AgentEpisodes)
             return result, await self.score_rollout(item, result, ctx)
         finally:
             ctx.cleanup()
+
+    def turn_budget(self, item: Item) -> int:
+        """Model calls `item` may take: `max_agent_turns`, or its horizon where longer (`task_stream.turn_budget`).
+        A property of the item, so evaluation judges every model on an item under the same budget."""
+        oracle = item.get("oracle")
+        return turn_budget(len(oracle) if isinstance(oracle, list) else 0, self.config.max_agent_turns)
 
     def loop_settings(self, schemas: list[dict[str, Any]], temperature: float) -> dict[str, Any]:
         """The agent loop's settings from this env's config (shared by every loop an env builds)."""

@@ -1,4 +1,4 @@
-"""LongHorizonEnv: 30+ step projects (package, metadata, README, tests, git commit).
+"""LongHorizonEnv: projects of 4 to 36 steps (package, metadata, README, tests, git commit).
 
 Reward = committed milestones (partial credit) x efficiency of the step count.
 
@@ -26,7 +26,7 @@ from flywheel.environments.verify.rewards import efficiency
 
 
 class LongHorizonEnvConfig(HermesAgentEnvConfig):
-    """Many turns: the oracle itself needs 30+ tool calls."""
+    """Many turns: a hard task's oracle needs 36 model calls."""
 
     max_agent_turns: int = 48
 

@@ -9,12 +9,24 @@ so a held-out set with no mix is stratified and a generation budget is split as 
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
 DIFFICULTIES = ("easy", "medium", "hard")
+HORIZON_SLACK = 1.5  # A task's turn budget over its oracle's calls: room for a slip.
 MakeTask = Callable[[random.Random, str, str], dict[str, Any]]
+
+
+def turn_budget(oracle_calls: int, base: int) -> int:
+    """Model calls a task may take: the round's `base`, or its horizon where that is longer (1.5 x the
+    calls of its oracle, a procedure a student can imitate).
+
+    >>> turn_budget(3, base=6), turn_budget(11, base=6)
+    (6, 17)
+    """
+    return max(base, math.ceil(HORIZON_SLACK * oracle_calls))
 
 
 def weighted_round_robin(weights: list[float]) -> Iterator[int]:

@@ -19,13 +19,15 @@ unsolved slice 1, a learnable one 4p(1 - p): 1 at even odds; largest remainder),
 slice's replay comes on top of it, so every decision - slice, class, weight, groups - is recorded
 and generation follows it exactly.
 
-Teacher data goes where it can teach: an unsolved slice whose teacher needs more turns than the
-round allows (`max_turns`) waits as *out of reach* (a student judged on 6 turns cannot imitate a
-30-turn demonstration), and of the reachable ones only the easiest (easiest difficulty, then fewest
-teacher turns) are taught this round: while the champion solves no slice yet (a base model, which
-first has to learn the tool-call format from a few procedures), at most `focus` of them; once it
-solves some, every one in reach; and never more than the budget left after the learnable slices
-gives `min_teacher_groups` each. The others wait for a later round.
+Teacher data goes where it can teach. Horizons grow with difficulty, and a slice's turn budget is
+its horizon (`turns`: 1.5 x its teacher's calls, at least the round's `max_turns`), so a longer slice
+gets its budget when it unlocks, once its category's shorter slice is mastered (a horizon
+curriculum: a student first learns the 5-call procedure, then the 30-call one). Of the unsolved
+slices only the easiest (easiest difficulty, then fewest teacher turns) are taught this round: while
+the champion solves no slice yet (a base model, which first has to learn the tool-call format from a
+few procedures), at most `focus` of them; once it solves some, every one; and never more than the
+budget left after the learnable slices gives `min_teacher_groups` each. The others wait for a later
+round.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from flywheel.environments.registry import env_name, teacher_turns
-from flywheel.environments.task_stream import DIFFICULTIES
+from flywheel.environments.task_stream import DIFFICULTIES, turn_budget
+from flywheel.evaluation.suite import SUITE_TEACHERS
 
 SliceClass = Literal["unsolved", "learnable", "mastered", "locked"]
 SOURCES = {"unsolved": "teacher", "learnable": "policy", "mastered": "policy", "locked": None}
@@ -66,8 +69,19 @@ class CurriculumConfig(BaseModel):
         default=None,
         ge=1,
         description="Unsolved slices given teacher data while the champion solves no slice yet (easiest first; "
-        "None: every one in reach, as in every round once it solves some). From SmolLM2's base, 3 slices scored "
+        "None: every one, as in every round once it solves some). From SmolLM2's base, 3 slices scored "
         "0.25 and 4 scored 0.17; from a round-1 champion, a focus of 3 lost to a uniform mix (README).",
+    )
+    teaches: dict[str, list[str]] = Field(
+        default_factory=lambda: {task: list(targets) for task, targets in SUITE_TEACHERS.items()},
+        description="lm-eval task -> the env categories (`env/category`) that train its skill: while the task is not "
+        "mastered, its failure rate adds weight to their unlocked slices (`evaluation/steering.py`).",
+    )
+    benchmark_weight: float = Field(
+        default=1.0,
+        ge=0,
+        description="Weight an lm-eval task failed outright adds to each slice that teaches it (an unsolved "
+        "slice weighs 1), scaled by its failure rate.",
     )
     min_teacher_groups: int | None = Field(
         default=None,
@@ -186,8 +200,8 @@ def plan_generation(
     """Split `groups` over the slices to teach by weight (unsolved 1, learnable 4p(1 - p)) and add each
     mastered slice's replay (`replay` times a taught slice's share) on top; per env and source (teacher /
     policy), the slice weights and group count generation runs with. Records `weight` and `groups` per
-    slice, and why a slice to teach `waits` (out of reach of `max_turns`, beyond the round's focus, or
-    no group left in a budget smaller than the slices).
+    slice, each unsolved slice's `teacher_turns` and turn budget `turns` (at least `max_turns`), and why a
+    slice to teach `waits` (beyond the round's focus, or no group left in a budget smaller than the slices).
 
     Replay on top, not out of `groups`: taken out of the budget, replay grew with every slice mastered
     and starved the teaching (a default run's round 3 gave its unsolved slices 4 teacher groups each,
@@ -200,7 +214,8 @@ def plan_generation(
     # Interleaved across envs, so a budget smaller than the slices spreads its ties over every env.
     cells = [cell for rank in itertools.zip_longest(*per_env) for cell in rank if cell is not None]
     for _, row in cells:  # A learnable slice at even odds weighs like an unsolved one, one nearly solved little.
-        row["weight"] = round(4 * learnability(row, config), 4) if row["class"] == "learnable" else weight[row["class"]]
+        own = round(4 * learnability(row, config), 4) if row["class"] == "learnable" else weight[row["class"]]
+        row["weight"] = own + row.get("benchmark_weight", 0.0)  # What lm-eval weaknesses add (`steering.py`).
     _focus_teaching(cells, _teaching_limit(cells, groups, config), max_turns)
     taught = [0.0 if row["class"] == "mastered" else row["weight"] for _, row in cells]
     replayed = [row["weight"] if row["class"] == "mastered" else 0.0 for _, row in cells]
@@ -239,21 +254,13 @@ def _teaching_limit(cells: list[tuple[str, dict[str, Any]]], groups: int, config
 
 
 def _focus_teaching(cells: list[tuple[str, dict[str, Any]]], focus: int | None, max_turns: int | None) -> None:
-    """Zero the weight of the unsolved slices that wait: out of reach of `max_turns`, or past the `focus`
-    easiest (easiest difficulty, then fewest teacher turns, ties taken from each env in turn). With
-    nothing in reach, every unsolved slice is taught as before (there is nothing better)."""
+    """Record each unsolved slice's teacher turns and turn budget (given the round's `max_turns`), and zero
+    the weight of those past the `focus` easiest (easiest difficulty, then fewest teacher turns, ties taken
+    from each env in turn)."""
     unsolved = [(env, row) for env, row in cells if row["class"] == "unsolved"]
-    if max_turns:
-        for env, row in unsolved:
-            row["teacher_turns"] = teacher_turns(env, row["slice"])
-        reachable = [(env, row) for env, row in unsolved if (row["teacher_turns"] or 0) <= max_turns]
-        for _, row in unsolved if reachable else []:
-            if (row["teacher_turns"] or 0) > max_turns:
-                row["weight"] = 0.0
-                row["waits"] = (
-                    f"out of reach: its teacher needs {row['teacher_turns']} turns, the round allows {max_turns}"
-                )
-        unsolved = reachable or unsolved
+    for env, row in unsolved if max_turns else []:
+        row["teacher_turns"] = teacher_turns(env, row["slice"])
+        row["turns"] = turn_budget(row["teacher_turns"] or 0, max_turns)
     seen: Counter[tuple[str, tuple[int, int]]] = Counter()
     ranked = []  # (ease, the env's how-many-th at that ease, row): equally easy slices alternate envs.
     for env, row in unsolved:

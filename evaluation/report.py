@@ -292,7 +292,26 @@ def _curriculum_markdown(curriculum: dict[str, Any]) -> str:
     unlocked = [f"{env}: {', '.join(spec['newly_unlocked'])}" for env, spec in curriculum["slices"].items()
                 if spec["newly_unlocked"]]  # fmt: skip
     lines += ["", f"Unlocked this round: {'; '.join(unlocked) if unlocked else 'nothing'}.", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + _benchmarks_markdown(curriculum.get("benchmarks") or {}))
+
+
+def _benchmarks_markdown(benchmarks: dict[str, Any]) -> list[str]:
+    """Each lm-eval task the curriculum steers by: its score against the last round's, and the slices it weights."""
+    if not benchmarks:
+        return []
+    lines = [
+        "## Benchmarks steering generation",
+        "",
+        "| lm-eval task | score | last round | weights |",
+        "|---|---|---|---|",
+    ]
+    for task, record in sorted(benchmarks.items()):
+        before = (
+            "—" if record["before"] is None else f"{record['before']:.2f} ({record['success'] - record['before']:+.2f})"
+        )
+        weighted = ", ".join(record["weighted"]) or "nothing (mastered, or no env of the round teaches it)"
+        lines.append(f"| {task} | {record['success']:.2f} ({record['n']} items) | {before} | {weighted} |")
+    return [*lines, ""]
 
 
 def _html(name: str, summary: str, images: list[str], samples: list[dict]) -> str:

@@ -20,6 +20,12 @@ from flywheel.data import ArtifactNotFound, ArtifactStore, Manifest
 
 SUITE_VERSION = 2
 SUITE_TASKS = ("flywheel_tool_call", "flywheel_tool_select", "flywheel_reasoning")
+# The env categories that train each task's skill (`CurriculumConfig.teaches`): an exact typed call from
+# a request, and the right function (or none) among several. No env teaches the suite's arithmetic.
+SUITE_TEACHERS = {
+    "flywheel_tool_call": ("function_calling/single", "function_calling/parallel"),
+    "flywheel_tool_select": ("function_calling/choose_or_refuse",),
+}
 TOOLS = ("terminal", "read_file", "write_file", "list_files", "open_url", "search", "submit_answer")
 _SYSTEM = (
     "You can call these tools (optional arguments in brackets):\n"

@@ -26,6 +26,7 @@ from flywheel.evaluation.curriculum import (
     plan_generation,
     wilson,
 )
+from flywheel.evaluation.steering import steer_by_benchmarks
 
 
 class MiningConfig(BaseModel):
@@ -124,7 +125,9 @@ class CurriculumSpec(BaseModel):
         default=32, ge=1, description="Generation groups to split over the slices to teach (replay comes on top)."
     )
     config: CurriculumConfig = Field(default_factory=CurriculumConfig)
-    max_turns: int | None = Field(default=None, ge=1, description="The round's turn budget (teacher data in reach).")
+    max_turns: int | None = Field(
+        default=None, ge=1, description="The round's turn budget (a slice's is at least this)."
+    )
 
 
 def mine_to_store(
@@ -137,27 +140,33 @@ def mine_to_store(
     rollouts: str | None = None,
 ) -> Manifest:
     """Mine every sample of the given eval artifacts into weaknesses.json; with a `curriculum` spec, also
-    curriculum.json (each slice's class, the generation plan, the GRPO task mix). `previous`: the last
+    curriculum.json (each slice's class, the generation plan, the GRPO task mix, and each lm-eval task's
+    score with the slices it weighted). `previous`: the last
     round's weaknesses artifact (slice history, unlocked difficulties); `rollouts`: the round's
     rollouts artifact, whose policy parts (the champion's own rollouts) are curriculum evidence too."""
-    samples = []
+    samples, benchmark_samples = [], []
     for ref in eval_refs:
         manifest = store.manifest(ref)
         for relpath in sorted(p for p in manifest.files if p.startswith("samples/")):
             records = [json.loads(line) for line in store.read_bytes(manifest.id, relpath).decode().splitlines()]
             kind = "agentic" if records and "env" in records[0] else "lm-eval"
             samples.extend(flatten(kind, records))
+            benchmark_samples.extend(flatten(kind, records) if kind == "lm-eval" else [])
     before = store.read_json(previous, "weaknesses.json") if previous else None
     result = mine(samples, config, before)
     files = {"weaknesses.json": json.dumps(result, indent=2)}
     metrics: dict[str, Any] = {"weak_slices": len(result["weak"]), "samples": len(samples)}
     if curriculum is not None:
-        last = (stored_curriculum(store, previous) or {}).get("slices") if previous else None
+        last = (stored_curriculum(store, previous) or {}) if previous else {}
         evidence = samples + (policy_outcomes(store, rollouts) if rollouts else [])
-        slices = build_curriculum(evidence, curriculum.families, curriculum.config, last, curriculum.difficulty)
+        slices = build_curriculum(
+            evidence, curriculum.families, curriculum.config, last.get("slices"), curriculum.difficulty
+        )
+        benchmarks = steer_by_benchmarks(slices, benchmark_samples, curriculum.config, last.get("benchmarks"))
         plan = {
             "slices": slices,
             "generate": plan_generation(slices, curriculum.groups, curriculum.config, curriculum.max_turns),
+            "benchmarks": benchmarks,
         }
         plan["rl"] = grpo_mix(slices, curriculum.config)
         files["curriculum.json"] = json.dumps(plan, indent=2)

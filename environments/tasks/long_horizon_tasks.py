@@ -1,4 +1,9 @@
-"""Task family for `LongHorizonEnv`: build and commit a small Python project (30+ tool calls).
+"""Task family for `LongHorizonEnv`: build and commit a small Python project.
+
+Difficulty grows the horizon: an easy project is written in one reply of batched writes, tested
+and committed in one command (4 model calls); a medium one file by file, then tested, committed
+and checked (11); a hard one (a console script and a licence too) the careful way, each file read
+back and each step checked (36).
 
 Milestones give partial credit, but only for what is committed: the verifier checks out HEAD
 into a fresh folder and judges that, so files that were never committed, a fake `.git`, or a
@@ -10,7 +15,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from flywheel.environments.agent.policies import call, final
+from flywheel.environments.agent.policies import batch, call, final
 from flywheel.environments.verify.untrusted import load_toml
 
 CATEGORIES = ("library", "cli_tool", "data_utils")
@@ -112,11 +117,38 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
             "deps": deps,
             "required": required,
         },
-        "oracle": _oracle(name, function, files, checks[0]),
+        "oracle": _ORACLES[difficulty](name, function, files, checks[0]),
     }
 
 
-def _oracle(name: str, function: str, files: dict[str, str], example: str) -> list[dict[str, Any]]:
+_COMMIT = "git init -q && git add -A && git -c user.name='Flywheel Agent' -c user.email=agent@flywheel.local commit -qm"
+
+
+def _batched(name: str, function: str, files: dict[str, str], example: str) -> list[dict[str, Any]]:
+    """Every file in one reply, then test and commit in one command: 4 steps."""
+    writes = batch(*(call("write_file", path=path, content=content) for path, content in files.items()))
+    return [
+        writes,
+        call("terminal", command="python -m pytest -q tests", timeout=120),
+        call("terminal", command=f"{_COMMIT} 'Create {name}' && git status --short"),
+        final(f"Created and committed the `{name}` project."),
+    ]
+
+
+def _file_by_file(name: str, function: str, files: dict[str, str], example: str) -> list[dict[str, Any]]:
+    """One file a step, then test, commit and check: 11 steps."""
+    return [
+        call("list_files", path="."),
+        *(call("write_file", path=path, content=content) for path, content in files.items()),
+        call("terminal", command=f"python -c 'from {name}.core import {function}; print({example})'"),
+        call("terminal", command="python -m pytest -q tests", timeout=120),
+        call("terminal", command=f"{_COMMIT} 'Create {name}'"),
+        call("terminal", command="git status --porcelain"),
+        final(f"Created and committed the `{name}` project."),
+    ]
+
+
+def _careful(name: str, function: str, files: dict[str, str], example: str) -> list[dict[str, Any]]:
     """A careful engineer's 30+ steps: build, check, commit one file at a time, re-check."""
     steps = [
         call("list_files", path="."),
@@ -142,6 +174,9 @@ def _oracle(name: str, function: str, files: dict[str, str], example: str) -> li
         call("terminal", command="git show --stat HEAD"),
     ]
     return [*steps, final(f"Created and committed the `{name}` project.")]
+
+
+_ORACLES = {"easy": _batched, "medium": _file_by_file, "hard": _careful}
 
 
 def pyproject_ok(text: str, answer: dict[str, Any]) -> bool:

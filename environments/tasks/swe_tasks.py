@@ -1,12 +1,14 @@
-"""Task family for `SWEBenchEnv`: a small generated Python package with one injected bug.
+"""Task family for `SWEBenchEnv`: a small generated Python package with injected bugs.
 
 The agent sees the package, a visible test file and an issue text. After the episode the verifier
 calls every function of the package on hidden inputs in a child process and compares the results
 outside it (`flywheel.environments.verify.calls`), so files the agent planted (conftest.py, pytest.ini, a shadowing
 pytest.py, deleted or edited visible tests, a package that patches pytest) change nothing. The
 hidden checks cover every function, so gutting code fails too.
-The oracle fixes the bug with a targeted `patch` of the changed line, the same edit at every
-difficulty, rather than rewriting a module that holds up to six functions.
+Difficulty grows the horizon: 1, 2 or 3 bugs (each reported in the issue) among 2, 4 or 7
+functions, spread over two modules when hard. The oracle fixes each bug with a targeted `patch` of
+the changed line (read the module, patch, run the tests: the same three steps per bug), rather than
+rewriting a module that holds up to seven functions: 5, 8 and 11 model calls.
 """
 
 from __future__ import annotations
@@ -83,32 +85,38 @@ _PACKAGES = ("mathkit", "toolbelt", "numtools", "handy", "utilbox")
 
 
 def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, Any]:
-    buggy = rng.choice(sorted(n for n, spec in _FUNCTIONS.items() if category in spec[1]))
-    others = rng.sample(sorted(set(_FUNCTIONS) - {buggy}), {"easy": 1, "medium": 3, "hard": 5}[difficulty])
-    names = sorted([buggy, *others])
+    candidates = sorted(n for n, spec in _FUNCTIONS.items() if category in spec[1])
+    buggy = rng.sample(candidates, {"easy": 1, "medium": 2, "hard": 3}[difficulty])
+    others = rng.sample(sorted(set(_FUNCTIONS) - set(buggy)), {"easy": 1, "medium": 2, "hard": 4}[difficulty])
+    names = sorted([*buggy, *others])
     package = rng.choice(_PACKAGES)
     # Hard tasks spread functions over two modules, so the agent has to find the right one.
     modules = {name: ("core" if difficulty != "hard" or i % 2 == 0 else "extra") for i, name in enumerate(names)}
 
-    def module_source(module: str, fixed: bool) -> str:
-        parts = [
-            _FUNCTIONS[n][0] if fixed or n != buggy else _FUNCTIONS[n][1][category]
-            for n in names
-            if modules[n] == module
-        ]
+    def module_source(module: str) -> str:
+        parts = [_FUNCTIONS[n][1][category] if n in buggy else _FUNCTIONS[n][0] for n in names if modules[n] == module]
         return "\n\n".join(parts)
 
     files = {f"{package}/__init__.py": ""}
     for module in sorted(set(modules.values())):
-        files[f"{package}/{module}.py"] = module_source(module, fixed=False)
+        files[f"{package}/{module}.py"] = module_source(module)
     imports = "\n".join(f"from {package}.{modules[n]} import {n}" for n in names)
     visible = [line for n in others for line in _FUNCTIONS[n][2][:1]]
     files["tests/test_visible.py"] = f"{imports}\n\n\ndef test_examples():\n" + "".join(f"    {t}\n" for t in visible)
-    buggy_path = f"{package}/{modules[buggy]}.py"
+    paths = {name: f"{package}/{modules[name]}.py" for name in buggy}
+    reports = " ".join(_FUNCTIONS[name][3] for name in buggy)
+    steps = [call("list_files", path=".")]
+    for name in buggy:
+        steps += [
+            call("read_file", path=paths[name]),
+            call("patch", path=paths[name], **_fix(files[paths[name]], name, category)),
+            call("terminal", command="python -m pytest -q tests", timeout=120),
+        ]
+    fixed = ", ".join(f"`{name}` in {paths[name]}" for name in buggy)
     return {
         "prompt": (
-            f"Bug report for the `{package}` package in this repository: {_FUNCTIONS[buggy][3]} "
-            "Fix the bug in the package's source (do not change the tests). You can run the tests with "
+            f"Bug report for the `{package}` package in this repository: {reports} "
+            "Fix the package's source (do not change the tests). You can run the tests with "
             "`python -m pytest -q tests`."
         ),
         "files": files,
@@ -116,15 +124,9 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
             "package": package,
             "imports": imports,
             "checks": [check for n in names for check in _FUNCTIONS[n][2]],
-            "buggy_file": buggy_path,
+            "buggy_files": sorted(set(paths.values())),
         },
-        "oracle": [
-            call("list_files", path="."),
-            call("read_file", path=buggy_path),
-            call("patch", path=buggy_path, **_fix(files[buggy_path], buggy, category)),
-            call("terminal", command="python -m pytest -q tests", timeout=120),
-            final(f"Fixed `{buggy}` in {buggy_path}."),
-        ],
+        "oracle": [*steps, final(f"Fixed {fixed}.")],
     }
 
 

@@ -5,9 +5,15 @@ Categories:
 - `line_count`: count the import lines of every Python file into counts.json.
 - `csv_summary`: total a CSV's amounts per region into summary.json.
 
+Difficulty grows the horizon: an easy repository is one project; a medium one holds 2 projects and a
+hard one 4 (more files each, and distractors), one folder each, and every project needs its own
+deliverable in its folder - the oracle looks into each and runs the category's command there: 3, 6
+and 10 model calls.
+
 Each task carries its ground truth (`answer`, computed from the generated files, not from the
-workspace) and an `oracle` action list that solves it with the same tools the agent has. JSON
-answers are checked with their types: a count is an integer and a total a number, never a string.
+workspace; per project under `projects` when there are several) and an `oracle` action list that
+solves it with the same tools the agent has. JSON answers are checked with their types: a count is
+an integer and a total a number, never a string.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from flywheel.environments.agent.tools import json_type_error
 from flywheel.environments.verify.untrusted import bounded_text, finite_number, load_json
 
 CATEGORIES = ("todo_report", "line_count", "csv_summary")
-_SIZE = {"easy": 3, "medium": 6, "hard": 10}
+_SIZE = {"easy": 3, "medium": 4, "hard": 5}  # Python files per project.
+_PROJECTS = {"easy": 1, "medium": 2, "hard": 4}
+_PROJECT_NAMES = ("atlas", "borealis", "cobalt", "dune", "ember", "fjord", "granite", "harbor")
 _DIRS = ("src", "lib", "app", "app/core", "tools", "pkg/util")
 _WORDS = ("parser", "cache", "render", "client", "config", "storage", "metrics", "router", "auth", "queue")
 _VERBS = ("handle", "load", "save", "check", "build", "merge", "split", "format", "parse", "emit")
@@ -69,11 +77,31 @@ _TOTALS = {"type": "object", "additionalProperties": {"type": "number"}}
 
 
 def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, Any]:
-    files = _python_files(rng, _SIZE[difficulty], nested=difficulty != "easy")
-    if difficulty == "hard":  # Distractors the instructions exclude.
-        files["NOTES.txt"] = "TODO: not a python file\nimport os is not code here\n"
+    names = sorted(rng.sample(_PROJECT_NAMES, _PROJECTS[difficulty])) if difficulty != "easy" else [""]
     builder = {"todo_report": _todo_report, "line_count": _line_count, "csv_summary": _csv_summary}[category]
-    return builder(rng, files, difficulty)
+    files: dict[str, str] = {}
+    truths: dict[str, dict[str, Any]] = {}
+    steps: list[dict[str, Any]] = [] if names == [""] else [call("list_files", path=".")]
+    for name in names:
+        project = _python_files(rng, _SIZE[difficulty], nested=difficulty != "easy")
+        if difficulty == "hard":  # Distractors the instructions exclude.
+            project["NOTES.txt"] = "TODO: not a python file\nimport os is not code here\n"
+        task, project, truths[name], look, command = builder(rng, project, difficulty)
+        files |= {f"{name}/{path}" if name else path: text for path, text in project.items()}
+        if name:  # Look into the project, then run the command there.
+            inside = look["arguments"]["path"].strip(".").strip("/")
+            steps += [{**look, "arguments": {"path": f"{name}/{inside}".rstrip("/")}}]
+            steps += [call("terminal", command=f"cd {name} && {command}")]
+        else:
+            steps += [look, call("terminal", command=command)]
+    prompt = task
+    if names != [""]:
+        folders = ", ".join(f"{name}/" for name in names)
+        for whole, project in _PER_PROJECT:
+            task = task.replace(whole, project)
+        prompt = f"This repository holds {len(names)} projects, one per folder: {folders}. For each project: {task}"
+    answer = truths[""] if names == [""] else {"projects": truths}
+    return {"prompt": prompt, "files": files, "answer": answer, "oracle": [*steps, final(_DONE[category])]}
 
 
 def _python_files(rng: random.Random, count: int, nested: bool) -> dict[str, str]:
@@ -95,52 +123,51 @@ def _python_files(rng: random.Random, count: int, nested: bool) -> dict[str, str
     return files
 
 
-def _todo_report(rng: random.Random, files: dict[str, str], difficulty: str) -> dict[str, Any]:
+_DONE = {"todo_report": "report.md is written.", "line_count": "counts.json is written.",
+         "csv_summary": "summary.json is written."}  # fmt: skip
+# A task's wording for a whole repository -> for one project of several (its file goes in its folder).
+_PER_PROJECT = (
+    ("of this repository", "of the project"),
+    ("in this repository", "in the project"),
+    ("the repository root", "the project's folder"),
+    ("Write report.md", "Write report.md in the project's folder"),
+    ("Write counts.json", "Write counts.json in the project's folder"),
+    ("write summary.json", "write summary.json in the project's folder"),
+    ("data/sales.csv lists", "The project's data/sales.csv lists"),
+)
+Built = tuple[str, dict[str, str], dict[str, Any], dict[str, Any], str]
+
+
+def _todo_report(rng: random.Random, files: dict[str, str], difficulty: str) -> Built:
     rows = [
         [path, number, line.split("TODO:", 1)[1].strip()]
         for path in sorted(p for p in files if p.endswith(".py"))
         for number, line in enumerate(files[path].splitlines(), start=1)
         if "# TODO:" in line
     ]
-    return {
-        "prompt": (
-            "Collect every TODO comment in the Python (.py) files of this repository. Write report.md "
-            "containing one markdown table with the columns `file | line | todo`, one row per TODO, sorted "
-            "by file path and then line number. `todo` is the text after 'TODO:'; `line` is 1-based."
-        ),
-        "files": files,
-        "answer": {"rows": rows},
-        "oracle": [
-            call("list_files", path="."),
-            call("terminal", command=_TODO_TABLE),
-            final("report.md is written."),
-        ],
-    }
+    task = (
+        "Collect every TODO comment in the Python (.py) files of this repository. Write report.md "
+        "containing one markdown table with the columns `file | line | todo`, one row per TODO, sorted "
+        "by file path and then line number. `todo` is the text after 'TODO:'; `line` is 1-based."
+    )
+    return task, files, {"rows": rows}, call("list_files", path="."), _TODO_TABLE
 
 
-def _line_count(rng: random.Random, files: dict[str, str], difficulty: str) -> dict[str, Any]:
+def _line_count(rng: random.Random, files: dict[str, str], difficulty: str) -> Built:
     counts = {
         path: sum(1 for line in text.splitlines() if line.startswith(("import ", "from ")))
         for path, text in sorted(files.items())
         if path.endswith(".py")
     }
-    return {
-        "prompt": (
-            "For every Python (.py) file in this repository, count the lines that start with `import ` or "
-            "`from `. Write counts.json: a JSON object mapping each file path (relative to the repository "
-            "root) to its count."
-        ),
-        "files": files,
-        "answer": {"counts": counts},
-        "oracle": [
-            call("list_files", path="."),
-            call("terminal", command=_IMPORT_COUNTS),
-            final("counts.json is written."),
-        ],
-    }
+    task = (
+        "For every Python (.py) file in this repository, count the lines that start with `import ` or "
+        "`from `. Write counts.json: a JSON object mapping each file path (relative to the repository "
+        "root) to its count."
+    )
+    return task, files, {"counts": counts}, call("list_files", path="."), _IMPORT_COUNTS
 
 
-def _csv_summary(rng: random.Random, files: dict[str, str], difficulty: str) -> dict[str, Any]:
+def _csv_summary(rng: random.Random, files: dict[str, str], difficulty: str) -> Built:
     regions = rng.sample(_REGIONS, {"easy": 2, "medium": 3, "hard": 5}[difficulty])
     rows = []
     for _ in range({"easy": 6, "medium": 15, "hard": 40}[difficulty]):
@@ -148,33 +175,37 @@ def _csv_summary(rng: random.Random, files: dict[str, str], difficulty: str) -> 
         rows.append((rng.choice(regions), rng.choice(_WORDS), amount))
     totals = {r: round(sum(a for reg, _, a in rows if reg == r), 2) for r in sorted({reg for reg, _, _ in rows})}
     csv = "region,product,amount\n" + "".join(f"{r},{p},{a:.2f}\n" for r, p, a in rows)
-    files = {**files, "data/sales.csv": csv}
-    return {
-        "prompt": (
-            "data/sales.csv lists sales (region, product, amount; refunds are negative). Compute the total "
-            "amount per region and write summary.json as a JSON object {region: total}, totals rounded to "
-            "2 decimals."
-        ),
-        "files": files,
-        "answer": {"totals": totals},
-        "oracle": [
-            call("read_file", path="data/sales.csv"),
-            call("terminal", command=_CSV_TOTALS),
-            final("summary.json is written."),
-        ],
-    }
+    task = (
+        "data/sales.csv lists sales (region, product, amount; refunds are negative). Compute the total "
+        "amount per region and write summary.json as a JSON object {region: total}, totals rounded to "
+        "2 decimals."
+    )
+    return (
+        task,
+        {**files, "data/sales.csv": csv},
+        {"totals": totals},
+        call("read_file", path="data/sales.csv"),
+        _CSV_TOTALS,
+    )
 
 
 def verify(item: dict[str, Any], read: Any) -> bool:
-    """Check the produced file against the ground truth; `read(path)` returns text or raises. The file is
-    the agent's: read bounded (`verify.untrusted`), so a hostile one fails the task instead of the verifier."""
-    answer = item["answer"]
+    """Check each project's file against its ground truth; `read(path)` returns text or raises. The files
+    are the agent's: read bounded (`verify.untrusted`), so a hostile one fails the task instead of the verifier."""
+    projects = item["answer"].get("projects") or {"": item["answer"]}
+    return all(
+        _verify_one(item["category"], truth, lambda path, name=name: read(f"{name}/{path}" if name else path))
+        for name, truth in projects.items()
+    )
+
+
+def _verify_one(category: str, answer: dict[str, Any], read: Any) -> bool:
     try:
-        if item["category"] == "todo_report":
+        if category == "todo_report":
             return _table_rows(bounded_text(read("report.md"))) == [[f, int(n), t] for f, n, t in answer["rows"]]
-        path, key = JSON_ANSWERS[item["category"]]
+        path, key = JSON_ANSWERS[category]
         produced, expected = load_json(read(path)), answer[key]
-        if item["category"] == "line_count":
+        if category == "line_count":
             return json_type_error(produced, _COUNTS) is None and produced == expected
         return (
             json_type_error(produced, _TOTALS) is None

@@ -2,11 +2,14 @@
 
 The shop is `environments/web/site.py`; the agent browses it with `environments/web/browser.py`.
 
-Categories:
-- `under_price`: find 3 in-stock products of a department priced at most a limit (search's
-  `department`, `max_price` and `in_stock` filters help).
-- `cheapest`: find the cheapest product of a department.
-- `lookup_price`: find a product's id and price from its title (search helps).
+Categories, each with a horizon that grows with difficulty (the shop grows too: 12, 24, 40 products):
+- `under_price`: find 1, 3 or 5 in-stock products of a department priced at most a limit (search's
+  `department`, `max_price` and `in_stock` filters help; the oracle opens each one): 5, 7, 9 calls.
+- `cheapest`: find the cheapest product of a department of 3+ products: an easy shop's department
+  page lists prices (5 calls), a medium or hard one's does not, so every product page is read
+  (7-15 calls: more products, more pages).
+- `lookup_price`: the id and price of a product named by its title, or of the most expensive of 2
+  or 3 named products (search, open each): 5, 7, 9 calls.
 
 The agent answers with `submit_answer(product_ids: list[int], price: float)`; the verifier judges
 that typed submission, never the final text, so "482913" for an id earns nothing.
@@ -33,23 +36,33 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
     actions = [call("open_url", url=f"{{site}}{root}/")]
 
     if category == "lookup_price":
-        target = rng.choice(products)
-        actions.append(call("search", query=target.title))
-        actions.append(call("follow_link", text=target.title))
+        named = _distinct_titles(rng, products, {"easy": 1, "medium": 2, "hard": 3}[difficulty])
+        for product in named:
+            actions.append(call("search", query=product.title))
+            actions.append(call("follow_link", text=product.title))
+        target = max(named, key=lambda p: p.price)
         actions.append(call("submit_answer", product_ids=[target.id], price=target.price))
         answer: dict[str, Any] = {"ids": [target.id], "price": target.price}
-        prompt = f"What are the product id and the price of '{target.title}'?"
+        if len(named) == 1:
+            prompt = f"What are the product id and the price of '{target.title}'?"
+        else:
+            titles = ", ".join(f"'{p.title}'" for p in named)
+            prompt = f"Which of {titles} is the most expensive? Give its product id and its price."
         final_text = f"{target.id}: ${target.price:.2f}"
     elif category == "cheapest":
         sizes = {s: sum(p.shelf == s for p in products) for s in shelves}
-        # The smallest department with 3+ products (every product page must be read).
+        # The smallest department with 3+ products, paged through; an easy shop lists prices, so only the
+        # cheapest product's page is opened (for its id), elsewhere every product page (prices are there).
         shelf = min((s for s in shelves if sizes[s] >= 3), key=lambda s: sizes[s])
         listing = [p for p in products if p.shelf == shelf]
         target = min(listing, key=lambda p: p.price)
-        # Oracle: open the department, page through it, open every product page (prices are there).
         actions.append(call("follow_link", text=shelf.capitalize()))
-        actions.extend(call("follow_link", text="Next page") for _ in range((len(listing) - 1) // page_size))
-        actions.extend(call("open_url", url=f"{{site}}{root}/p/{p.id}") for p in listing)
+        last_page = listing.index(target) if difficulty == "easy" else len(listing) - 1
+        actions.extend(call("follow_link", text="Next page") for _ in range(last_page // page_size))
+        if difficulty == "easy":  # Its link on the listing's page, for the id.
+            actions.append(call("follow_link", text=target.title))
+        else:
+            actions.extend(call("open_url", url=f"{{site}}{root}/p/{p.id}") for p in listing)
         actions.append(call("submit_answer", product_ids=[target.id]))
         answer = {"ids": [target.id]}
         prompt = f"Find the cheapest product in the {shelf} department."
@@ -57,7 +70,7 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
     else:
         stocked = {s: sorted(p.price for p in products if p.shelf == s and p.in_stock) for s in shelves}
         shelf = max(shelves, key=lambda s: len(stocked[s]))
-        count = min(3, len(stocked[shelf]))
+        count = min({"easy": 1, "medium": 3, "hard": 5}[difficulty], len(stocked[shelf]))
         limit = float(int(stocked[shelf][min(len(stocked[shelf]) - 1, count)]) + 1)  # At least `count` qualify.
         chosen = [p for p in products if p.shelf == shelf and p.in_stock and p.price <= limit][:count]
         actions.append(call("search", department=shelf, max_price=limit, in_stock=True))
@@ -74,6 +87,15 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
         "answer": answer,
         "oracle": actions,
     }
+
+
+def _distinct_titles(rng: random.Random, products: list[Any], count: int) -> list[Any]:
+    """`count` products with distinct titles and distinct prices (the most expensive is one product)."""
+    by_title: dict[str, Any] = {}
+    for product in products:
+        by_title.setdefault(product.title, product)
+    unique = [p for p in by_title.values() if sum(q.price == p.price for q in by_title.values()) == 1]
+    return rng.sample(unique, min(count, len(unique)))
 
 
 def verify(item: dict[str, Any], submitted: dict[str, Any] | None) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from flywheel.environments.agent.policies import ScriptedPolicy, call, do_nothing, final
+from flywheel.environments.agent.policies import ScriptedPolicy, batch, call, do_nothing, final
 from flywheel.environments.custom.file_stats_env import FileStatsEnv
 from flywheel.environments.hermes_base_env import HermesAgentBaseEnv
 from flywheel.environments.long_horizon import LongHorizonEnv
@@ -229,8 +229,8 @@ def _as_strings(value: Any) -> Any:
 
 
 def _answer(item: dict[str, Any], stringly: bool) -> list[dict[str, Any]]:
-    """Only the right answer (the oracle's `submit_answer`, or the JSON file the task asks for, written
-    from the ground truth), numbers as strings if `stringly`."""
+    """Only the right answer (the oracle's `submit_answer`, or the JSON file the task asks for in each
+    project, written from the ground truth), numbers as strings if `stringly`."""
     actions = [
         call("submit_answer", **_as_strings(action["arguments"])) if stringly else action
         for action in item["oracle"]
@@ -238,9 +238,10 @@ def _answer(item: dict[str, Any], stringly: bool) -> list[dict[str, Any]]:
     ]
     if item.get("category") in JSON_ANSWERS:
         path, key = JSON_ANSWERS[item["category"]]
-        answer = item["answer"][key]
-        actions.append(call("write_file", path=path, content=json.dumps(_as_strings(answer) if stringly else answer)))
-    return [*actions, final("Done.")]
+        for project, truth in (item["answer"].get("projects") or {"": item["answer"]}).items():
+            content = json.dumps(_as_strings(truth[key]) if stringly else truth[key])
+            actions.append(call("write_file", path=f"{project}/{path}" if project else path, content=content))
+    return [batch(*actions), final("Done.")]  # One reply: every project's file.
 
 
 @pytest.mark.parametrize(

@@ -316,52 +316,51 @@ def test_an_env_without_categories_is_one_slice_that_gets_its_share() -> None:
     assert never_solved["file_stats"]["slices"][0]["class"] == "unsolved"
 
 
-def test_teacher_data_goes_to_the_focus_easiest_slices_in_reach() -> None:
-    """Unsolved slices whose oracle needs more turns than the round allows wait, and of the rest only
-    `focus` are taught: easiest difficulty first, then fewest teacher turns; GRPO follows the plan."""
+def test_teacher_data_goes_to_the_focus_easiest_slices_with_their_turn_budgets() -> None:
+    """Of the unsolved slices only `focus` are taught: easiest difficulty first, then fewest teacher turns;
+    each records its teacher's turns and its turn budget (1.5 x those, at least the round's); GRPO
+    follows the plan."""
     swe = ("off_by_one", "wrong_operator", "wrong_condition")
-    families = {"tool_use_chain": CATEGORIES, "swe_bench": swe, "long_horizon": ("library", "cli_tool", "data_utils")}
+    long = ("library", "cli_tool", "data_utils")
+    families = {"tool_use_chain": CATEGORIES, "swe_bench": swe, "long_horizon": long}
     opened = {"todo_report/medium": 1, "csv_summary/medium": 1}  # Unlocked harder slices, unsolved too.
     previous = {"tool_use_chain": {"unlocked": list(opened)}}
     curriculum = build_curriculum([], families, previous=previous)
     plan = plan_generation(curriculum, groups=12, config=CurriculumConfig(focus=3), max_turns=6)
     rows = {(env, row["slice"]): row for env, spec in curriculum.items() for row in spec["slices"]}
-    # Oracle turns: tool_use_chain 3 (one script each), swe_bench 5, long_horizon 30.
-    assert rows[("tool_use_chain", "todo_report/easy")]["teacher_turns"] == 3
-    assert rows[("swe_bench", "off_by_one/easy")]["teacher_turns"] == 5
-    assert all("out of reach" in rows[("long_horizon", f"{c}/easy")]["waits"] for c in families["long_horizon"])
-    assert all("focus" in rows[("swe_bench", f"{c}/easy")]["waits"] for c in swe)  # In reach, but 5 turns.
-    assert "focus" in rows[("tool_use_chain", "csv_summary/medium")]["waits"]  # Reachable, but medium.
+    # Easy oracles: tool_use_chain 3 calls (one script), long_horizon 4 (one reply of writes), swe_bench 5.
+    easy = [("tool_use_chain", "todo_report/easy"), ("long_horizon", "library/easy"), ("swe_bench", "off_by_one/easy")]
+    assert [rows[key]["teacher_turns"] for key in easy] == [3, 4, 5]
+    assert [rows[key]["turns"] for key in easy] == [6, 6, 8]  # The round's 6, or 1.5 x a longer teacher's.
+    medium = rows[("tool_use_chain", "csv_summary/medium")]
+    assert (medium["teacher_turns"], medium["turns"]) == (6, 9)  # Two projects: the horizon doubles.
+    assert all("focus" in rows[("long_horizon", f"{c}/easy")]["waits"] for c in long)
+    assert all("focus" in rows[("swe_bench", f"{c}/easy")]["waits"] for c in swe)
+    assert "focus" in medium["waits"]  # Unlocked, but medium.
     taught = {key for key, row in rows.items() if row["groups"]}
     assert taught == {("tool_use_chain", f"{c}/easy") for c in CATEGORIES}
     assert set(plan) == {"tool_use_chain"} and plan["tool_use_chain"]["teacher"]["groups"] == 12
     rl = grpo_mix(curriculum)  # Nothing learnable: GRPO on the slices SFT was just shown, not the waiting ones.
     assert {(env, s) for env, mix in rl.items() for s, w in mix.items() if w} == taught
-    # Equally easy slices alternate envs: swe_bench's three 5-turn slices do not crowd out the web's.
-    three = {**families, "web_navigation": ("under_price", "cheapest", "lookup_price")}  # 7, 7 and 5 turns.
-    spread = build_curriculum([], three)
-    plan_generation(spread, groups=6, config=CurriculumConfig(focus=5), max_turns=6)
+    # Equally easy slices alternate envs: swe_bench's three 5-call slices do not crowd out the web's.
+    four = {**families, "web_navigation": ("under_price", "cheapest", "lookup_price")}  # 5 calls each.
+    spread = build_curriculum([], four)
+    plan_generation(spread, groups=8, config=CurriculumConfig(focus=8), max_turns=6)
     picked = {(env, row["slice"]) for env, spec in spread.items() for row in spec["slices"] if row["groups"]}
-    easiest = {("tool_use_chain", f"{c}/easy") for c in CATEGORIES}  # 3 turns.
-    assert picked == easiest | {("swe_bench", "off_by_one/easy"), ("web_navigation", "lookup_price/easy")}
-    # A teacher that needs exactly `max_turns` is in reach.
-    exact = build_curriculum([], {"swe_bench": swe, "long_horizon": families["long_horizon"]})
-    plan_generation(exact, groups=6, max_turns=5)
-    easy = {row["slice"]: row for spec in exact.values() for row in spec["slices"] if row["slice"].endswith("/easy")}
-    assert [easy[f"{c}/easy"]["groups"] for c in swe] == [2, 2, 2]
-    assert all("out of reach" in easy[f"{c}/easy"]["waits"] for c in families["long_horizon"])
-    # Nothing in reach at all: every unsolved slice is taught as before.
-    only_long = build_curriculum([], {"long_horizon": families["long_horizon"]})
-    plan_generation(only_long, groups=3, max_turns=6)
-    easy = [row for row in only_long["long_horizon"]["slices"] if row["slice"].endswith("/easy")]
-    assert [row["groups"] for row in easy] == [1, 1, 1] and not any("waits" in row for row in easy)
+    shortest = {("tool_use_chain", f"{c}/easy") for c in CATEGORIES} | {("long_horizon", f"{c}/easy") for c in long}
+    assert picked == shortest | {("swe_bench", "off_by_one/easy"), ("web_navigation", "under_price/easy")}
+    # A round that allows more turns than a horizon keeps its own budget.
+    roomy = build_curriculum([], {"swe_bench": swe})
+    plan_generation(roomy, groups=3, max_turns=9)
+    assert {row["turns"] for row in roomy["swe_bench"]["slices"] if row["slice"].endswith("/easy")} == {9}
 
 
 def test_focus_holds_only_while_the_champion_solves_nothing() -> None:
     """From a base model that solves no slice, `focus` slices are taught; once the champion solves one
-    (learnable or mastered), every unsolved slice in reach is (out of reach still waits)."""
+    (learnable or mastered), every unsolved unlocked slice is."""
     swe = ("off_by_one", "wrong_operator", "wrong_condition")
-    families = {"tool_use_chain": CATEGORIES, "swe_bench": swe, "long_horizon": ("library", "cli_tool", "data_utils")}
+    long = ("library", "cli_tool", "data_utils")
+    families = {"tool_use_chain": CATEGORIES, "swe_bench": swe, "long_horizon": long}
     config = CurriculumConfig(z=1.0, focus=3)
 
     def taught(script: dict[tuple[str, str], tuple[int, int]]) -> set[tuple[str, str]]:
@@ -372,19 +371,22 @@ def test_focus_holds_only_while_the_champion_solves_nothing() -> None:
 
     easy = {("tool_use_chain", f"{c}/easy") for c in CATEGORIES}
     assert taught({("todo_report", "easy"): (0, 2)}) == easy
-    in_reach = (easy - {("tool_use_chain", "todo_report/easy")}) | {("swe_bench", f"{c}/easy") for c in swe}
-    assert taught({("todo_report", "easy"): (1, 2)}) == in_reach  # Learnable now: five taught, not three.
-    mastered = in_reach | {("tool_use_chain", "todo_report/medium")}  # Unlocked by the mastered easy slice.
+    others = {
+        (env, f"{c}/easy") for env, categories in (("swe_bench", swe), ("long_horizon", long)) for c in categories
+    }
+    every = (easy - {("tool_use_chain", "todo_report/easy")}) | others
+    assert taught({("todo_report", "easy"): (1, 2)}) == every  # Learnable now: eight taught, not three.
+    mastered = every | {("tool_use_chain", "todo_report/medium")}  # Unlocked by the mastered easy slice.
     assert taught({("todo_report", "easy"): (3, 3)}) == mastered
 
 
 def test_a_teacher_group_floor_teaches_as_many_unsolved_slices_as_the_budget_gives_it() -> None:
-    """`min_teacher_groups` sets how many unsolved slices a round teaches from its budget: all four in
-    reach at 8 groups each where a `focus` of 3 would defer one; learnable slices take their share
-    first; a budget under the floor still teaches the easiest one."""
+    """`min_teacher_groups` sets how many unsolved slices a round teaches from its budget: four of six at
+    8 groups each where a `focus` of 3 would teach three; learnable slices take their share first; a
+    budget under the floor still teaches the easiest one."""
     swe = ("off_by_one", "wrong_operator", "wrong_condition")
     families = {"swe_bench": swe, "web_navigation": ("under_price", "cheapest", "lookup_price")}
-    reachable = {("swe_bench", f"{c}/easy") for c in swe} | {("web_navigation", "lookup_price/easy")}
+    easy = {(env, f"{c}/easy") for env, categories in families.items() for c in categories}  # 5 calls each.
 
     def taught(curriculum: dict) -> dict[tuple[str, str], int]:
         rows = [(env, row) for env, spec in curriculum.items() for row in spec["slices"]]
@@ -393,13 +395,15 @@ def test_a_teacher_group_floor_teaches_as_many_unsolved_slices_as_the_budget_giv
     floor = CurriculumConfig(z=1.0, min_teacher_groups=8)
     curriculum = build_curriculum([], families, config=floor)
     plan = plan_generation(curriculum, groups=32, config=floor, max_turns=6)
-    assert taught(curriculum) == dict.fromkeys(reachable, 8)
-    assert plan["swe_bench"]["teacher"]["groups"] == 24 and plan["web_navigation"]["teacher"]["groups"] == 8
+    alternating = {("swe_bench", "off_by_one/easy"), ("web_navigation", "under_price/easy"),
+                   ("swe_bench", "wrong_operator/easy"), ("web_navigation", "cheapest/easy")}  # fmt: skip
+    assert taught(curriculum) == dict.fromkeys(alternating, 8)
+    assert plan["swe_bench"]["teacher"]["groups"] == 16 and plan["web_navigation"]["teacher"]["groups"] == 16
     counted = build_curriculum([], families, config=CurriculumConfig(z=1.0, focus=3))
     plan_generation(counted, groups=32, config=CurriculumConfig(z=1.0, focus=3), max_turns=6)
-    assert len(taught(counted)) == 3 and set(taught(counted)) < reachable
-    # One learnable slice takes a quarter of the budget: the three easiest of six unsolved slices in
-    # reach (tool_use_chain's, 3 turns) are left their 8 each; the other three wait.
+    assert len(taught(counted)) == 3 and set(taught(counted)) < easy
+    # One learnable slice takes a quarter of the budget: the three easiest of eight unsolved slices
+    # (tool_use_chain's, 3 calls) are left their 8 each; the other five wait.
     six = {**families, "tool_use_chain": CATEGORIES}
     seen = build_curriculum(outcomes({("off_by_one", "easy"): (1, 3)}, env="swe_bench"), six, config=floor)
     plan_generation(seen, groups=32, config=floor, max_turns=6)
@@ -407,7 +411,9 @@ def test_a_teacher_group_floor_teaches_as_many_unsolved_slices_as_the_budget_giv
     expected = {("tool_use_chain", f"{c}/easy") for c in CATEGORIES} | {("swe_bench", "off_by_one/easy")}
     assert taught(seen) == dict.fromkeys(expected, 8)
     waiting = [row["slice"] for spec in seen.values() for row in spec["slices"] if "focus of 3" in row.get("waits", "")]
-    assert sorted(waiting) == ["lookup_price/easy", "wrong_condition/easy", "wrong_operator/easy"]
+    assert sorted(waiting) == sorted(
+        ["wrong_operator/easy", "wrong_condition/easy", *(f"{c}/easy" for c in families["web_navigation"])]
+    )
     # Learnable slices count by their weight: three nearly solved ones (2 of 2: 0.56 each) leave room
     # for two unsolved slices at 8 groups, where counting them as 1 each would leave one.
     script = {("todo_report", "easy"): (2, 2), ("line_count", "easy"): (2, 2), ("csv_summary", "easy"): (0, 2)}

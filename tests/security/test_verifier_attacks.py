@@ -90,9 +90,11 @@ def test_swe_functions_returning_an_always_equal_object_score_zero(tiny_model: P
             "for _n in [n for n in list(globals()) if not n.startswith('_')]:\n"
             "    globals()[_n] = lambda *a, **k: _Any()\n"
         )
-        path = item["answer"]["buggy_file"]
         return [
-            call("write_file", path=path, content=item["files"][path] + "\n\n" + ALWAYS_EQUAL + wrap),
+            *(
+                call("write_file", path=path, content=item["files"][path] + "\n\n" + ALWAYS_EQUAL + wrap)
+                for path in item["answer"]["buggy_files"]
+            ),
             final("Fixed."),
         ]
 
