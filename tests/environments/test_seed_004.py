@@ -89,7 +89,8 @@ class _OracleModel:
         action = oracle[step] if step < len(oracle) else {"final": "Done."}
         if "final" in action:
             return chat_reply(action["final"])
-        return chat_reply(self.parser.tool_call_text(action["tool"], action.get("arguments", {})))
+        calls = action.get("calls") or [action]  # A batch: several calls in one reply.
+        return chat_reply("\n".join(self.parser.tool_call_text(c["tool"], c.get("arguments", {})) for c in calls))
 
 
 @pytest.mark.parametrize("name", sorted(ENVIRONMENTS))
