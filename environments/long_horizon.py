@@ -1,4 +1,4 @@
-"""LongHorizonEnv: projects of 4 to 36 steps (package, metadata, README, tests, git commit).
+"""LongHorizonEnv: projects of 6 to 36 steps (package, metadata, README, tests, git commit).
 
 Reward = committed milestones (partial credit) x efficiency of the step count.
 

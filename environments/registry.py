@@ -23,9 +23,10 @@ ENVIRONMENTS = {
     "swe_bench": "flywheel.environments.swe_bench:SWEBenchEnv",
     "long_horizon": "flywheel.environments.long_horizon:LongHorizonEnv",
     "file_stats": "flywheel.environments.custom.file_stats_env:FileStatsEnv",
+    "function_calling": "flywheel.environments.function_calling:FunctionCallingEnv",
 }
 
-TASK_FAMILIES = ("tool_use_chain", "web_navigation", "swe_bench", "long_horizon")
+TASK_FAMILIES = ("tool_use_chain", "web_navigation", "swe_bench", "long_horizon", "function_calling")
 
 
 def is_env_spec(spec: str) -> bool:

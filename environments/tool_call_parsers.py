@@ -54,6 +54,10 @@ class ToolCallParser:
         """How this format writes one call (used by scripted policies and prompts)."""
         raise NotImplementedError
 
+    def tool_calls_text(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
+        """How this format writes several calls in one reply (an oracle's batch): one per line."""
+        return "\n".join(self.tool_call_text(name, arguments) for name, arguments in calls)
+
     def render_tools_prompt(self, tool_schemas: list[dict[str, Any]]) -> str:
         """System-prompt text describing the tools and the call format."""
         listing = "\n".join(json.dumps(schema, ensure_ascii=False) for schema in tool_schemas)
@@ -155,7 +159,11 @@ class MistralParser(ToolCallParser):
         return ParsedResponse(content=content.strip(), tool_calls=calls, errors=errors)
 
     def tool_call_text(self, name: str, arguments: dict[str, Any]) -> str:
-        return f"{self._marker} {json.dumps([{'name': name, 'arguments': arguments}], ensure_ascii=False)}"
+        return self.tool_calls_text([(name, arguments)])
+
+    def tool_calls_text(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
+        listing = [{"name": name, "arguments": arguments} for name, arguments in calls]
+        return f"{self._marker} {json.dumps(listing, ensure_ascii=False)}"
 
 
 class Llama3JsonParser(ToolCallParser):
@@ -170,14 +178,14 @@ class Llama3JsonParser(ToolCallParser):
             return ParsedResponse(content=text.strip())
         errors: list[str] = []
         calls = []
-        for chunk in re.split(r"\}\s*;\s*\{", body):
-            chunk = chunk if chunk.startswith("{") else "{" + chunk
-            chunk = chunk if chunk.rstrip().endswith("}") else chunk + "}"
+        decoder, index = json.JSONDecoder(), 0
+        while body[index:].strip("; \t\r\n}"):  # Objects separated by ";" (a stray closing brace is a slip).
+            index += len(body[index:]) - len(body[index:].lstrip("; \t\r\n"))
             try:
-                obj = _loads(chunk)
+                obj, index = decoder.raw_decode(body, index)
             except (json.JSONDecodeError, ValueError, RecursionError):
-                errors.append(f"could not parse tool call JSON: {chunk[:80]}")
-                continue
+                errors.append(f"could not parse tool call JSON: {body[index : index + 80]}")
+                break
             if isinstance(obj, dict) and "name" not in obj:
                 return ParsedResponse(content=text.strip())  # Plain JSON content, not a call.
             call = _call_from_obj(obj, errors, arguments_key="parameters")
@@ -187,6 +195,9 @@ class Llama3JsonParser(ToolCallParser):
 
     def tool_call_text(self, name: str, arguments: dict[str, Any]) -> str:
         return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
+
+    def tool_calls_text(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
+        return "; ".join(self.tool_call_text(name, arguments) for name, arguments in calls)
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {

@@ -30,7 +30,7 @@ class ScriptedPolicy:
             text = action["final"]
         else:
             calls = action.get("calls") or [action]
-            text = "\n".join(self.parser.tool_call_text(c["tool"], c.get("arguments", {})) for c in calls)
+            text = self.parser.tool_calls_text([(c["tool"], c.get("arguments", {})) for c in calls])
         message = SimpleNamespace(content=text, tool_calls=None, role="assistant")
         return SimpleNamespace(choices=[SimpleNamespace(message=message, finish_reason="stop")], usage=None)
 

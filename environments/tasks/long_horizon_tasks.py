@@ -1,9 +1,9 @@
 """Task family for `LongHorizonEnv`: build and commit a small Python project.
 
-Difficulty grows the horizon: an easy project is written in one reply of batched writes, tested
-and committed in one command (4 model calls); a medium one file by file, then tested, committed
-and checked (11); a hard one (a console script and a licence too) the careful way, each file read
-back and each step checked (36).
+Difficulty grows the horizon: an easy project is written in four replies, tested and committed in
+one command (6 model calls); a medium one file by file, then tested, committed and checked (11); a
+hard one (a console script and a licence too) the careful way, each file read back and each step
+checked (36).
 
 Milestones give partial credit, but only for what is committed: the verifier checks out HEAD
 into a fresh folder and judges that, so files that were never committed, a fake `.git`, or a
@@ -125,12 +125,13 @@ _COMMIT = "git init -q && git add -A && git -c user.name='Flywheel Agent' -c use
 
 
 def _batched(name: str, function: str, files: dict[str, str], example: str) -> list[dict[str, Any]]:
-    """Every file in one reply, then test and commit in one command: 4 steps."""
-    writes = batch(*(call("write_file", path=path, content=content) for path, content in files.items()))
+    """Write the files in four replies (the two smallest in one), then test and commit in one command: 6
+    steps, each reply short enough for a small model's reply budget."""
+    small = sorted(files, key=lambda path: len(files[path]))[:2]
     return [
-        writes,
-        call("terminal", command="python -m pytest -q tests", timeout=120),
-        call("terminal", command=f"{_COMMIT} 'Create {name}' && git status --short"),
+        batch(*(call("write_file", path=path, content=files[path]) for path in small)),
+        *(call("write_file", path=path, content=content) for path, content in files.items() if path not in small),
+        call("terminal", command=f"python -m pytest -q tests && {_COMMIT} 'Create {name}'", timeout=120),
         final(f"Created and committed the `{name}` project."),
     ]
 

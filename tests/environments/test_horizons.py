@@ -7,12 +7,17 @@ import asyncio
 import math
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 from flywheel.environments.agent.policies import ScriptedPolicy, call
 from flywheel.environments.long_horizon import LongHorizonEnv
 from flywheel.environments.registry import TASK_FAMILIES, env_class, teacher_turns
-from flywheel.environments.task_stream import DIFFICULTIES, HORIZON_SLACK
+from flywheel.environments.task_stream import DIFFICULTIES, HORIZON_SLACK, TaskStream
+from flywheel.environments.tool_call_parsers import get_parser
 from flywheel.environments.tool_context import live_task_ids
 from flywheel.flows.round_config import profile
+
+ONE_REPLY = {"function_calling"}  # Difficulty grows the calls of its one reply, not the turns.
 
 
 def test_every_easy_slice_fits_the_default_budget_and_difficulty_grows_the_horizon() -> None:
@@ -21,7 +26,24 @@ def test_every_easy_slice_fits_the_default_budget_and_difficulty_grows_the_horiz
         for category in env_class(env).categories:
             easy, medium, hard = (teacher_turns(env, f"{category}/{d}") for d in DIFFICULTIES)
             assert easy <= budget, f"{env} {category}/easy needs {easy} turns, the default allows {budget}"
-            assert easy < medium < hard, f"{env} {category}: {easy}, {medium}, {hard} turns"
+            grows = easy <= medium <= hard if env in ONE_REPLY else easy < medium < hard
+            assert grows, f"{env} {category}: {easy}, {medium}, {hard} turns"
+
+
+def test_every_easy_oracle_reply_fits_the_default_reply_budget(tiny_model: Path) -> None:
+    """A student imitates the oracle reply by reply: none may be longer than the tokens a reply gets."""
+    tokens = profile("default").max_token_length
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)  # SmolLM2's.
+    parser = get_parser("hermes")
+    for env in TASK_FAMILIES:
+        cls = env_class(env)
+        mix = {f"{c}/{d}": float(d == "easy") for c in cls.categories for d in DIFFICULTIES}
+        for item in TaskStream(env, cls.make_task, tuple(cls.categories), seed=0, mix=mix).items(12):
+            for action in item["oracle"]:
+                calls = action.get("calls") or [action]
+                text = action.get("final") or parser.tool_calls_text([(c["tool"], c["arguments"]) for c in calls])
+                length = len(tokenizer(text)["input_ids"])
+                assert length <= tokens, f"{item['item_id']} ({item['category']}): a {length}-token reply"
 
 
 def _medium_item(env: LongHorizonEnv) -> dict:

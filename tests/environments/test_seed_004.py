@@ -90,7 +90,7 @@ class _OracleModel:
         if "final" in action:
             return chat_reply(action["final"])
         calls = action.get("calls") or [action]  # A batch: several calls in one reply.
-        return chat_reply("\n".join(self.parser.tool_call_text(c["tool"], c.get("arguments", {})) for c in calls))
+        return chat_reply(self.parser.tool_calls_text([(c["tool"], c.get("arguments", {})) for c in calls]))
 
 
 @pytest.mark.parametrize("name", sorted(ENVIRONMENTS))

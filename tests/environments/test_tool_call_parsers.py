@@ -24,6 +24,15 @@ def test_each_format_round_trips(name: str) -> None:
     assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("write_file", arguments)]
 
 
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_each_format_round_trips_a_batch_of_calls(name: str) -> None:
+    """An oracle's batch is written so that its own parser reads back every call, in order."""
+    parser = get_parser(name)
+    calls = [("write_file", {"path": "a.txt", "content": "x; {y}"}), ("read_file", {"path": "a.txt"}), ("ls", {})]
+    parsed = parser.parse(parser.tool_calls_text(calls))
+    assert parsed.errors == [] and [(c.name, c.arguments) for c in parsed.tool_calls] == calls
+
+
 def test_hermes_multiple_calls_and_content() -> None:
     parser = get_parser("hermes")
     text = (
