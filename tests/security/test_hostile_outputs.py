@@ -167,7 +167,7 @@ def test_long_horizon_hostile_pyproject_costs_only_its_milestone(
     """The oracle's project with a hostile pyproject.toml committed: judged, scored below the oracle, not None."""
 
     def hostile(item: dict[str, Any]) -> list[dict[str, Any]]:
-        actions = [a for a in item["oracle"] if a.get("tool")]
+        actions = [a for a in item["oracle"] if "final" not in a]  # Every call and batch.
         return [*actions, call("write_file", path="pyproject.toml", content=pyproject),
                 call("terminal", command="git add -A && git commit -qm pyproject"), final("Done.")]  # fmt: skip
 

@@ -131,12 +131,13 @@ def test_long_horizon_always_equal_function_and_empty_tests_earn_only_the_honest
             name, function = item["answer"]["name"], item["answer"]["function"]
             files = {f"{name}/core.py": core.format(function=function), "tests/test_core.py": f"# {function}\n"}
             files["tests/test_core.py"] += "def test_ok():\n    pass\n"
-            return [
-                {**a, "arguments": {**a["arguments"], "content": files[a["arguments"]["path"]]}}
-                if a.get("tool") == "write_file" and a["arguments"]["path"] in files
-                else a
-                for a in item["oracle"]
-            ]
+
+            def rewrite(a: dict[str, Any]) -> dict[str, Any]:
+                if a.get("tool") == "write_file" and a["arguments"]["path"] in files:
+                    return {**a, "arguments": {**a["arguments"], "content": files[a["arguments"]["path"]]}}
+                return {"calls": [rewrite(c) for c in a["calls"]]} if "calls" in a else a  # A batch of writes.
+
+            return [rewrite(a) for a in item["oracle"]]
 
         return policy
 
@@ -150,7 +151,7 @@ def test_long_horizon_fsmonitor_hook_cannot_fake_a_clean_tree(tiny_model: Path) 
     """A `.git/config` fsmonitor runs the agent's command inside `git status`; the verifier switches it off."""
 
     def fake_clean(item: dict[str, Any]) -> list[dict[str, Any]]:
-        oracle = [a for a in item["oracle"] if a.get("tool")]
+        oracle = [a for a in item["oracle"] if "final" not in a]
         return [
             *oracle,
             call("write_file", path="uncommitted.txt", content="dirty\n"),
@@ -159,7 +160,7 @@ def test_long_horizon_fsmonitor_hook_cannot_fake_a_clean_tree(tiny_model: Path) 
         ]
 
     honest_dirty = _rewards(LongHorizonEnv, tiny_model, lambda item: [
-        *[a for a in item["oracle"] if a.get("tool")],
+        *[a for a in item["oracle"] if "final" not in a],
         call("write_file", path="uncommitted.txt", content="dirty\n"),
         final("Committed."),
     ], items=1)  # fmt: skip
@@ -182,7 +183,7 @@ HIDE_DIRT = {
 
 def _then(command: str) -> Policy:
     """The oracle's actions, then one more command, then a claim of a clean tree."""
-    return lambda item: [*[a for a in item["oracle"] if a.get("tool")], call("terminal", command=command),
+    return lambda item: [*[a for a in item["oracle"] if "final" not in a], call("terminal", command=command),
                          final("Committed, clean tree.")]  # fmt: skip
 
 
