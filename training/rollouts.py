@@ -16,7 +16,17 @@ keeps only sampled tokens in the loss. A chat template that does not render a co
 prefix as a prefix of the whole cannot be spliced; such a rollout falls back to the env's
 `tokenize_conversation` with unknown log-probs (NaN: no importance correction), counted as
 `retokenized`. The env's reward goes to the reward function as `env_reward`; an infra failure
-scores `None` (TRL drops it from the group's statistics), not 0.
+scores `None`, not 0: TRL leaves it out of its group's mean and std and gives it no advantage, and
+its `env_mask` is all 0, so its tokens are out of the loss (no KL term, not in the token count
+that normalises everyone else's). A generation that fails and is retried leaves nothing in the
+trajectory: the retry splices the env's turn once, as the env's conversation has it.
+
+In-process sampling is reproducible: a batch of rollouts draws one seed from torch's RNG (which
+the Trainer checkpoints and restores on resume), each rollout's seed mixes it with the rank and
+the rollout's place in the batch, and each of its generation calls samples from its own stream
+(Gumbel-max on a hash of the seed and the position), so a reply does not depend on which other
+requests shared its forward passes, or when they arrived (sandbox set-up and tool calls take as
+long as they take). A resumed GRPO run rolls out what the uninterrupted run rolled out.
 """
 
 from __future__ import annotations
@@ -25,15 +35,19 @@ import asyncio
 import contextvars
 import copy
 import gc
+import hashlib
 import json
 import logging
 import math
+import os
 import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
+
+from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
 
 from flywheel.data.costs import return_free_heap
 from flywheel.environments.agent.messages import messages_with_dict_arguments
@@ -62,7 +76,8 @@ class Trajectory:
     what the env added; `mask` is 1 on sampled tokens, `logprobs` their sampling log-probs (NaN
     where the generator gave none, 0.0 on spliced tokens); `turns` counts the sampled replies. A
     call whose conversation does not continue this one (the env's LLM judge, say) is not part of
-    it. `exact` turns False when a turn could not be spliced onto the ids before it.
+    it. `exact` turns False when a turn could not be spliced onto the ids before it. `seed` is the
+    rollout's sampling seed (None outside a rollout); `calls` counts its generation calls.
     """
 
     prompt_ids: list[int] = field(default_factory=list)
@@ -72,6 +87,8 @@ class Trajectory:
     messages: list[dict[str, Any]] = field(default_factory=list)  # The conversation of the last call.
     turns: int = 0
     exact: bool = True
+    seed: int | None = None
+    calls: int = 0
 
     def covers(self, result: Any) -> bool:
         """Whether these are the tokens of `result`'s conversation: one sampled reply per assistant turn."""
@@ -82,6 +99,21 @@ class Trajectory:
         self.completion_ids += ids
         self.mask += [int(sampled)] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [math.nan if sampled else 0.0] * len(ids)
+
+    def size(self) -> tuple[int, int]:
+        return len(self.prompt_ids), len(self.completion_ids)
+
+    def truncate(self, size: tuple[int, int]) -> None:
+        """Forget what a call added since `size()` said `size`: a failed generation's splice (or first prompt)."""
+        prompt, completion = size
+        del self.prompt_ids[prompt:], self.completion_ids[completion:]
+        del self.mask[completion:], self.logprobs[completion:]
+
+    def next_seed(self) -> int:
+        """The seed of this rollout's next generation call."""
+        assert self.seed is not None
+        self.calls += 1
+        return mix_seed(self.seed, self.calls)
 
 
 _TRAJECTORY: contextvars.ContextVar[Trajectory | None] = contextvars.ContextVar("flywheel_trajectory", default=None)
@@ -134,6 +166,7 @@ class PolicyServer:
         self._was_training: bool | None = None
         self._autocast_forward: Any = None  # Accelerate's bf16 wrapper of `forward`, lifted while generating.
         self._stops: set[int] = set()  # End-of-reply token ids, found when the first manager starts.
+        self._seeded: set[float] = set()  # Temperatures whose manager samples each request from its seed.
 
     @classmethod
     def of_trainer(cls, trainer: Any, max_new_tokens: int) -> PolicyServer:
@@ -174,16 +207,23 @@ class PolicyServer:
         messages = messages_with_dict_arguments(messages)
         tools = kwargs.get("tools") or None
         trajectory = _TRAJECTORY.get()
+        seed = trajectory.next_seed() if trajectory is not None and trajectory.seed is not None else draw_seed()
+        before = trajectory.size() if trajectory is not None else (0, 0)
         prompt_ids, continues = self._prompt_ids(messages, tools, trajectory)
         max_new = min(int(kwargs.get("max_tokens") or self.max_new_tokens), self.max_new_tokens)
         temperature = float(kwargs.get("temperature", 1.0))
         logprobs = None
-        if self.vllm is not None:
-            request = _Request(prompt_ids, temperature, max_new)
-            new = await asyncio.to_thread(self._generate_on_vllm, request)
-            logprobs = request.logprobs
-        else:
-            new = await self._generate_paged(prompt_ids, temperature, max_new)
+        try:
+            if self.vllm is not None:
+                request = _Request(prompt_ids, temperature, max_new)
+                new = await asyncio.to_thread(self._generate_on_vllm, request)
+                logprobs = request.logprobs
+            else:
+                new = await self._generate_paged(prompt_ids, temperature, max_new, seed)
+        except BaseException:  # The loop may retry: the retry splices the env's turn again, so forget this one's.
+            if trajectory is not None:
+                trajectory.truncate(before)
+            raise
         if trajectory is not None and continues:
             trajectory.add(new, sampled=True, logprobs=logprobs)
             trajectory.messages, trajectory.turns = messages, trajectory.turns + 1
@@ -226,9 +266,11 @@ class PolicyServer:
         trajectory.add(full[len(before) :], sampled=False)
         return trajectory.prompt_ids + trajectory.completion_ids, True
 
-    async def _generate_paged(self, prompt_ids: list[int], temperature: float, max_new: int) -> list[int]:
-        """One reply from the continuous-batching manager, ending at its first end-of-sequence token."""
+    async def _generate_paged(self, prompt_ids: list[int], temperature: float, max_new: int, seed: int) -> list[int]:
+        """One reply from the continuous-batching manager, ending at its first end-of-sequence token; sampled
+        from `seed`'s stream (see `SeededSampling`)."""
         manager = self._manager(temperature)
+        sampling = {"seed": seed} if temperature in self._seeded else {}
         finished: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
         def deliver(output: Any) -> None:
@@ -237,7 +279,7 @@ class PolicyServer:
 
         request_id = uuid.uuid4().hex
         manager.register_result_handler(request_id, deliver)  # Before the request: its result cannot come first.
-        if manager.add_request(prompt_ids, request_id=request_id, max_new_tokens=max_new) is None:
+        if manager.add_request(prompt_ids, request_id=request_id, max_new_tokens=max_new, **sampling) is None:
             raise RuntimeError("the policy's generation loop refused the request (stopped)")
         try:
             output = await finished
@@ -279,6 +321,8 @@ class PolicyServer:
         # them): the pool's large tensors would be mapped beside them, so hand them back first.
         return_free_heap()
         manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=paging)
+        if temperature > 0 and SeededSampling.install(manager):
+            self._seeded.add(temperature)
         with torch.inference_mode():  # The generation thread runs in the mode it was started in.
             manager.start()
         self._managers[temperature] = manager
@@ -312,6 +356,99 @@ class PolicyServer:
                 request.new = list(new)[: request.max_new]
                 if sampled is not None:  # Per token, the sampled token's first: TRL asks vLLM for no more.
                     request.logprobs = [math.nan if lp[0] is None else lp[0] for lp in sampled][: request.max_new]
+
+
+def draw_seed() -> int:
+    """A sampling seed from torch's RNG (the state a Trainer checkpoints and restores)."""
+    import torch
+
+    return int(torch.randint(0, 2**31 - 1, ()).item())
+
+
+def mix_seed(*values: int) -> int:
+    """A 31-bit seed from integers (stable across processes and runs, unlike `hash`)."""
+    digest = hashlib.blake2b(repr(values).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: Any, factor: int) -> Any:
+    """`x * factor mod 2**32` for int64 tensors in [0, 2**32), no product past 2**49 (int64 never overflows)."""
+    high = ((x * (factor >> 16)) & 0xFFFF) << 16
+    return (high + x * (factor & 0xFFFF)) & _MASK32
+
+
+def _hash32(x: Any) -> Any:
+    """A 32-bit integer hash with full avalanche (Wellons' lowbias32), elementwise on int64 tensors."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seeds: Any, vocab: int) -> Any:
+    """Standard Gumbel noise, one row per seed: a function of the seed and the token id only (no RNG
+    state, so no row depends on another, or on the order rows are drawn in)."""
+    import torch
+
+    seeds = seeds.to(torch.int64)[:, None] & _MASK32
+    first, second = _hash32(seeds ^ 0x9E3779B9), _hash32(seeds ^ 0x85EBCA6B)  # Two keys per row.
+    tokens = torch.arange(vocab, dtype=torch.int64, device=seeds.device)[None, :]
+    bits = _hash32((_hash32(tokens ^ first) + second) & _MASK32)
+    uniform = (bits.to(torch.float64) + 0.5) / 2**32  # In (0, 1): never 0 or 1.
+    return -torch.log(-torch.log(uniform))
+
+
+class SeededSampling(ContinuousBatchingLogitsProcessor):
+    """The continuous-batching manager's sampler, per request: the last logits processor, it picks each
+    row's token by Gumbel-max over the warped scores (temperature, top-k: exactly a sample of their
+    softmax) with noise from the request's `seed` and the token's position, and leaves that token alone
+    for the runner's argmax. torch's `multinomial` over the whole batch would give a request whatever
+    random numbers its batch position drew, so its reply would depend on which requests it was batched
+    with and when they arrived."""
+
+    supported_kwargs: ClassVar[dict[str, type]] = {"seed": int}
+    ignored_kwargs: tuple[str, ...] = ()
+
+    @classmethod
+    def install(cls, manager: Any) -> bool:
+        """Make `manager` (not started yet) sample this way; False for a stand-in without logits processors."""
+        processors = getattr(manager, "logit_processor", None)
+        if processors is None or not hasattr(processors, "tensors_required"):
+            return False
+        processors.logits_processor.append(cls())
+        processors.tensors_required += 1  # One int32 argument per row: its seed.
+        processors.supported_keys.update(cls.supported_kwargs)
+        processors.do_processing = True
+        manager.generation_config.do_sample = False  # The runner's argmax takes the token picked here.
+        return True
+
+    def fill_defaults(self, int32_tensor: Any) -> None:
+        int32_tensor.fill_(0)
+
+    def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> Any:
+        import torch
+
+        seeds = [
+            mix_seed(request.state.logit_processor_kwargs.get("seed", 0), _position(request.state))
+            for request in requests_with_new_token
+        ]
+        return torch.tensor(seeds, dtype=torch.int32, device="cpu")
+
+    def __call__(self, scores: Any, tensor_arg: Any) -> Any:
+        import torch
+
+        noise = gumbel_noise(tensor_arg[: scores.size(0)], scores.size(-1)).to(scores.dtype)
+        chosen = (scores + noise).argmax(dim=-1, keepdim=True)
+        return torch.full_like(scores, -math.inf).scatter_(-1, chosen, 0.0)
+
+
+def _position(state: Any) -> int:
+    """Where in its sequence a request's next token goes (unchanged when the manager re-queues it)."""
+    return len(state.initial_tokens) + len(state.generated_tokens)
 
 
 def _bind_thread_to(device: Any) -> None:
@@ -382,7 +519,7 @@ def agent_rollout_func(
             )  # fmt: skip
             out["prompt_ids"].append(prompt)
             out["completion_ids"].append(completion)
-            out["env_mask"].append(mask)
+            out["env_mask"].append(mask if reward is not None else [0] * len(mask))  # An infra failure: dropped.
             out["logprobs"].append(logprobs)
             out["env_reward"].append(reward)
             out["task_completed"].append(result.task_completed)
@@ -441,13 +578,16 @@ def _end_at_last_eos(completion: list[int], mask: list[int], stops: set[int]) ->
 
 
 async def run_rollouts(batch: list[Task], server: PolicyServer, temperature: float) -> list[Outcome]:
-    """Every rollout of the batch, concurrently (the server batches their generation)."""
+    """Every rollout of the batch, concurrently (the server batches their generation); the i-th samples
+    from seed `mix_seed(s, rank, i)`, `s` drawn from torch's RNG once per batch (every rank's RNG starts
+    from the run's seed, and a group's rollouts may be on several ranks: the rank keeps theirs apart)."""
+    batch_seed, rank = draw_seed(), int(os.environ.get("RANK", "0"))
 
-    async def one(task: Task) -> Outcome:
+    async def one(index: int, task: Task) -> Outcome:
         task.env.server = server
-        trajectory = Trajectory()
+        trajectory = Trajectory(seed=mix_seed(batch_seed, rank, index))
         _TRAJECTORY.set(trajectory)  # This task's context: its generation calls find it.
         result, reward = await task.env.run_agent(task.item, temperature)
         return result, reward, trajectory
 
-    return await asyncio.gather(*(one(task) for task in batch))
+    return await asyncio.gather(*(one(index, task) for index, task in enumerate(batch)))

@@ -1,14 +1,20 @@
-"""GRPO with TRL on the tiny model: a toy reward improves; one step runs the env's tool loop."""
+"""GRPO with TRL on the tiny model: a toy reward improves; one step runs the env's tool loop, moves the
+policy towards the rollouts the env scored higher, and leaves an infra failure out of its group and the
+loss; each rollout samples from its own seed."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import json
+import math
 import os
 import re
+import statistics
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -497,3 +503,245 @@ def test_vllm_generates_on_the_ranks_own_device_from_its_worker_thread(tiny_mode
     reply = asyncio.run(server.chat_completion([{"role": "user", "content": "Hi"}], temperature=1.0))
     assert reply.usage.completion_tokens == 1
     assert bound == [(False, "cuda:3")]
+
+
+def test_seeded_sampling_draws_from_the_warped_softmax() -> None:
+    """Gumbel-max on the seeded noise is a sample of the softmax: over many seeds each token comes up as
+    often as its probability (a broken hash, or noise shared between tokens, would skew this)."""
+    from flywheel.training.rollouts import SeededSampling, mix_seed
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, -math.inf])  # The last: filtered out by top-k.
+    rows = 40_000
+    seeds = torch.tensor([mix_seed(3, row) for row in range(rows)], dtype=torch.int32)
+    picked = SeededSampling()(logits.expand(rows, -1).clone(), seeds).argmax(-1)
+    frequencies = torch.bincount(picked, minlength=len(logits)).double() / rows
+    assert (frequencies - logits.softmax(-1).double()).abs().max() < 0.01, frequencies
+    assert frequencies[-1] == 0
+
+
+def test_a_reply_sampled_from_a_seed_does_not_depend_on_what_is_generated_beside_it(tiny_model: Path) -> None:
+    """The same seed gives the same reply whichever requests share its forward passes and whenever they
+    arrive (a rollout's sandbox set-up and tool calls take what they take): multinomial over the batch
+    gave each request the random numbers of its batch position, so a GRPO run, and its resume, rolled out
+    something else when a sandbox was slower."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from flywheel.training.rollouts import _TRAJECTORY, Trajectory
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    messages = [{"role": "user", "content": "Say something."}]
+
+    async def reply(server: PolicyServer, seed: int, delay: float) -> list[int]:
+        await asyncio.sleep(delay)
+        _TRAJECTORY.set(Trajectory(seed=seed))  # This task's own context, as in `run_rollouts`.
+        answer = await server.chat_completion(messages, temperature=1.0)
+        return tokenizer.encode(answer.choices[0].message.content, add_special_tokens=False)
+
+    async def replies(server: PolicyServer, delays: dict[int, float]) -> dict[int, list[int]]:
+        seeds = list(delays)
+        return dict(zip(seeds, await asyncio.gather(*(reply(server, s, delays[s]) for s in seeds)), strict=True))
+
+    with PolicyServer(lambda: model, tokenizer, top_k=0, max_new_tokens=12) as server:
+        together = asyncio.run(replies(server, {1: 0.0, 2: 0.0, 3: 0.0}))
+        staggered = asyncio.run(replies(server, {3: 0.0, 2: 0.05, 1: 0.1}))
+        alone = asyncio.run(replies(server, {2: 0.0}))
+    assert together == staggered and alone[2] == together[2]
+    assert len({tuple(r) for r in together.values()}) == 3  # Other seeds, other samples.
+
+
+class PerRollout:
+    """Scripted replies of the user's adder env (`tests/environments/seed_my_env.py`), played per rollout:
+    the n-th rollout of a task to ask plays `plays[n]`: "right" calls `add` and answers the sum (reward
+    1), "wrong" answers the sum plus one (reward 0), "broken" calls `add` and then its generation fails
+    for good (an infra failure: reward None)."""
+
+    def __init__(self, plays: list[str]) -> None:
+        self.plays = plays
+        self.cast: dict[int, str] = {}  # id(trajectory) -> what that rollout plays.
+        self.per_task: Counter[str] = Counter()
+
+    def __call__(self, conversation: str) -> str:
+        from flywheel.training.rollouts import _TRAJECTORY
+
+        a, b = re.search(r"What is (\d+) \+ (\d+)", conversation).groups()
+        rollout = id(_TRAJECTORY.get())
+        if rollout not in self.cast:
+            self.cast[rollout] = self.plays[self.per_task[f"{a}+{b}"]]
+            self.per_task[f"{a}+{b}"] += 1
+        play = self.cast[rollout]
+        if "<tool_response>" not in conversation:
+            return f'<tool_call>\n{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+        if play == "broken":
+            raise ConnectionError("the generation loop is gone")
+        return str(int(a) + int(b) + (play == "wrong"))
+
+
+@dataclass
+class GRPOStep:
+    """One real GRPO step on the adder env: what the rollout function returned, what TRL scored and trained
+    on (`_generate_and_score_completions`' output), the run's logs, and the models before and after."""
+
+    rolled: dict[str, Any]
+    scored: dict[str, Any]
+    run: RunDir
+    before: Any
+    after: Any
+    tokenizer: Any
+
+
+def _grpo_step_on_the_adder(tiny_model: Path, tmp_path: Path, plays: list[str], learning_rate: float) -> GRPOStep:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOTrainer
+
+    from flywheel.environments.adapter import StepEnvAdapter
+    from flywheel.training.grpo import RewardStats
+    from flywheel.training.schedule import warming_up_from_the_first_step
+    from tests.environments.seed_my_env import MyEnv, write_tasks
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    _script_generation(model, tokenizer, PerRollout(plays))
+    write_tasks(str(tmp_path / "tasks.jsonl"))
+    env = StepEnvAdapter.around(MyEnv(str(tmp_path / "tasks.jsonl")), tokenizer_name=str(tiny_model))
+    asyncio.run(env.setup())
+    env.tokenizer, env.config.inference_retries = tokenizer, 0  # A failed generation fails the rollout at once.
+    group = len(plays)
+    cfg = GRPORunConfig(total_steps=1, batch_size=2 * group, num_rollouts_per_task=group, max_completion_length=160,
+                        learning_rate=learning_rate, warmup_ratio=0.0, temperature=0.7, device="cpu",
+                        mixed_precision=False)  # fmt: skip
+    run, stats = RunDir(tmp_path, "adder"), RewardStats()
+    asyncio.run(env.get_next_item())  # Task 0 is `reset(0)`, which MyEnv reads as "any task": a group needs one.
+    dataset, tasks = task_dataset([env], 2)
+    rollout = agent_rollout_func(tasks, cfg.temperature, cfg.max_completion_length)
+    rolled: list[dict[str, Any]] = []
+    scored: list[dict[str, Any]] = []
+
+    def recorded(prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        rolled.append(rollout(prompts, trainer))
+        return rolled[-1]
+
+    trainer = warming_up_from_the_first_step(GRPOTrainer)(
+        model=model,
+        reward_funcs=[env_reward(run, every=1, stats=stats)],
+        args=grpo_args(cfg, str(run.checkpoints)),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        rollout_func=recorded,
+        callbacks=[stats, MetricsCallback(run), NonFiniteGuard()],
+    )
+    score = trainer._generate_and_score_completions
+    trainer._generate_and_score_completions = lambda inputs: scored.append(score(inputs)) or scored[-1]
+    trainer.train()
+    assert trainer.state.global_step == 1 and len(rolled) == len(scored) == 1
+    before = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    return GRPOStep(rolled[0], scored[0], run, before, trainer.model.eval(), tokenizer)
+
+
+def _sequence_logprob(model: Any, prompt: list[int], completion: list[int], mask: list[int], grad: bool = False) -> Any:
+    """log p(completion | prompt) over the tokens the policy sampled (`mask`), in fp32: a float, or with
+    `grad` the scalar tensor to differentiate."""
+    with torch.set_grad_enabled(grad):
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].float()
+        logps = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        total = (logps * torch.tensor(mask, dtype=logps.dtype)).sum()
+    return total if grad else float(total)
+
+
+def test_grpo_moves_the_policy_towards_the_better_rollouts(tiny_model: Path, tmp_path: Path) -> None:
+    """One step on groups where one rollout solved the task (env reward 1) and one did not (0), scored by the
+    env's own verifier: every weight moved along the gradient of the advantage-weighted log-likelihood
+    sum(A * log p) at the initial weights (Adam's first step moves each weight by the learning rate against
+    its loss gradient's sign), and in each group the policy now prefers the better rollout more than it did.
+    A flipped advantage moves everything the other way; dropped rewards (zero advantages) move nothing."""
+    step = _grpo_step_on_the_adder(tiny_model, tmp_path, ["right", "wrong"], learning_rate=1e-3)
+    rolled, rewards = step.rolled, step.rolled["env_reward"]
+    assert [sorted(rewards[i : i + 2]) for i in (0, 2)] == [[0.0, 1.0], [0.0, 1.0]]  # Both groups differ.
+    rows = list(zip(rolled["prompt_ids"], rolled["completion_ids"], rolled["env_mask"], strict=True))
+    objective = sum(
+        advantage * _sequence_logprob(step.before, *row, grad=True)
+        for advantage, row in zip(_group_advantages(rewards, 2), rows, strict=True)
+    )
+    objective.backward()
+    trained = dict(step.after.named_parameters())
+    for name, weight in step.before.named_parameters():
+        uphill = weight.grad.abs() > 1e-3 * weight.grad.abs().max()  # Leave out gradients at rounding level.
+        moved = (trained[name].detach() - weight.detach())[uphill]
+        assert uphill.any() and torch.equal(moved.sign(), weight.grad[uphill].sign()), name
+    for better, worse in (sorted(group, key=lambda i: -rewards[i]) for group in (range(0, 2), range(2, 4))):
+        assert _logprob_change(step, *rows[better]) - _logprob_change(step, *rows[worse]) > 0.05
+
+
+def _logprob_change(step: GRPOStep, prompt: list[int], completion: list[int], mask: list[int]) -> float:
+    """How much the step raised the policy's log-probability of `completion`'s sampled tokens."""
+    after = _sequence_logprob(step.after, prompt, completion, mask)
+    return after - _sequence_logprob(step.before, prompt, completion, mask)
+
+
+def _group_advantages(rewards: list[float | None], group: int) -> list[float]:
+    """GRPO's group-scaled advantages with infra failures (None) left out of their group's mean and std
+    and given no advantage (TRL's `scale_rewards="group"`: Bessel's std, plus 1e-4)."""
+    advantages = []
+    for start in range(0, len(rewards), group):
+        rows = rewards[start : start + group]
+        scored = [r for r in rows if r is not None]
+        mean, std = statistics.fmean(scored), statistics.stdev(scored)
+        advantages += [0.0 if r is None else (r - mean) / (std + 1e-4) for r in rows]
+    return advantages
+
+
+def test_an_infra_failure_is_left_out_of_its_group_and_the_loss(tiny_model: Path, tmp_path: Path) -> None:
+    """A rollout whose generation failed for good after its first turn scores None (never 0): the step
+    still trains, with a finite loss; its group-mates' advantages are those of the group without it; none
+    of its tokens is in the loss (no KL on them, not counted in the tokens that normalise the others');
+    and the logged reward means leave it out (docs/guide/training.md: "an infra failure is None, not 0")."""
+    step = _grpo_step_on_the_adder(tiny_model, tmp_path, ["right", "wrong", "broken"], learning_rate=1e-3)
+    rewards = step.rolled["env_reward"]
+    assert [sorted(rewards[i : i + 3], key=str) for i in (0, 3)] == [[0.0, 1.0, None]] * 2
+    expected = _group_advantages(rewards, 3)
+    assert expected != _group_advantages([0.0 if r is None else r for r in rewards], 3)  # None as 0 would differ.
+    assert step.scored["advantages"].tolist() == pytest.approx(expected, abs=1e-5)
+    loss_mask = (step.scored["completion_mask"] * step.scored["tool_mask"]).sum(dim=1).tolist()
+    for reward, completion, in_loss in zip(rewards, step.rolled["completion_ids"], loss_mask, strict=True):
+        if reward is None:  # It had sampled its tool call before the failure: those tokens stay out.
+            assert '"name": "add"' in step.tokenizer.decode(completion) and in_loss == 0
+        else:
+            assert in_loss > 0
+    logged = next(m for m in step.run.read_metrics() if "loss" in m)
+    assert math.isfinite(logged["loss"]) and math.isfinite(logged["reward_std"])
+    assert logged["reward"] == logged["rewards/my_env/mean"] == pytest.approx(0.5)  # (1 + 0) / 2 in each group.
+
+
+def test_a_retried_generation_splices_the_env_turn_once(tiny_model: Path) -> None:
+    """A generation that fails once and succeeds on the loop's retry: the retry is generated from, and the
+    rollout trains on, the conversation as the env has it. The failed call's splice of the tool result
+    stayed in the trajectory, so the retry saw the tool result twice (and the oracle's play, confused,
+    failed the task)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    failed: set[str] = set()
+
+    def flaky(conversation: str) -> str:
+        if conversation.count("<tool_response>") == 1 and conversation not in failed:
+            failed.add(conversation)
+            raise ConnectionError("a hiccup of the generation loop")
+        return _count_lines_like_the_oracle(conversation)
+
+    scripted = _script_generation(model, tokenizer, flaky)
+    env = env_class("file_stats")(tokenizer_name=str(tiny_model))
+    asyncio.run(env.setup())
+    env.tokenizer, env.config.inference_retries = tokenizer, 1
+    _, tasks = task_dataset([env], 1)
+    trainer = SimpleNamespace(
+        model=model, processing_class=tokenizer, args=SimpleNamespace(top_k=0), state=SimpleNamespace(global_step=1),
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m, device=torch.device("cpu")), use_vllm=False,
+    )  # fmt: skip
+    out = agent_rollout_func(tasks, 0.7, 400)([json.loads(key) for key in tasks], trainer)
+    assert len(failed) == 1 and out["retokenized"] == [False]
+    assert out["task_completed"] == [True]
+    assert tokenizer.decode(out["completion_ids"][0]).count("<tool_response>") == 2  # One per tool call.
+    assert assert_trained_as_sampled([out], scripted.generated) == 1
