@@ -51,6 +51,7 @@ class FunctionCallingEnvConfig(HermesAgentEnvConfig):
 
 
 class FunctionCallingEnv(TaskEnv):
+    step_cost = 0.01  # Done = 1, less 0.01 per model call.
     name = "function_calling"
     env_config_cls = FunctionCallingEnvConfig
     make_task = tasks.make_task
@@ -97,11 +98,6 @@ class FunctionCallingEnv(TaskEnv):
             result.verify_error = f"Unjudgeable: {err}"
             return False
 
-    async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
-        """The reward template (docs/architecture.md): done = 1, less 0.01 per model call."""
-        if not await self.completed(item, result, ctx):
-            return 0.0
-        return round(1.0 - 0.01 * result.num_steps, 6)
 
 
 if __name__ == "__main__":

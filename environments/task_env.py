@@ -16,7 +16,6 @@ from flywheel.environments.agent.servers import default_tokenizer
 from flywheel.environments.agent_loop import AgentResult
 from flywheel.environments.hermes_base_env import HermesAgentBaseEnv, HermesAgentEnvConfig
 from flywheel.environments.task_stream import MakeTask, TaskStream
-from flywheel.environments.verify.rewards import binary_reward
 
 
 class TaskEnv(HermesAgentBaseEnv):
@@ -25,6 +24,7 @@ class TaskEnv(HermesAgentBaseEnv):
     make_task: ClassVar[MakeTask]
     categories: ClassVar[tuple[str, ...]]
     config_defaults: ClassVar[dict[str, Any]] = {}
+    step_cost: ClassVar[float] = 0.0  # Reward less per model call: the efficiency term.
 
     @classmethod
     def config_init(cls) -> tuple[HermesAgentEnvConfig, list[Any]]:
@@ -51,8 +51,11 @@ class TaskEnv(HermesAgentBaseEnv):
         return self.remember_item(self.stream.item(self.index - 1))
 
     async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: Any) -> float:
-        """1.0 when the verifier passed the task, else 0.0."""
-        return binary_reward(await self.completed(item, result, ctx))
+        """1.0 when the verifier passed the task, less `step_cost` per model call (the reward template,
+        docs/architecture.md), else 0.0."""
+        if not await self.completed(item, result, ctx):
+            return 0.0
+        return round(1.0 - self.step_cost * result.num_steps, 6)
 
     def format_prompt(self, item: dict[str, Any]) -> str:
         return item["prompt"]

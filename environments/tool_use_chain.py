@@ -24,6 +24,7 @@ class ToolUseChainEnvConfig(HermesAgentEnvConfig):
 
 
 class ToolUseChainEnv(TaskEnv):
+    step_cost = 0.01  # Done = 1, less 0.01 per model call.
     name = "tool_use_chain"
     env_config_cls = ToolUseChainEnvConfig
     make_task = tasks.make_task
@@ -34,11 +35,6 @@ class ToolUseChainEnv(TaskEnv):
     async def verify(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> bool:
         return await asyncio.to_thread(tasks.verify, item, ctx.read_file)  # Sandbox reads: off the loop.
 
-    async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> float:
-        """The reward template (docs/architecture.md): done = 1, less 0.01 per model call."""
-        if not await self.completed(item, result, ctx):
-            return 0.0
-        return round(1.0 - 0.01 * result.num_steps, 6)
 
 
 if __name__ == "__main__":

@@ -14,15 +14,6 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
-def binary_reward(passed: bool) -> float:
-    """1.0 if the verifier passed, else 0.0.
-
-    >>> binary_reward(True), binary_reward(False)
-    (1.0, 0.0)
-    """
-    return 1.0 if passed else 0.0
-
-
 def multi_signal_reward(correctness: float, tool_use: float, efficiency: float) -> float:
     """0.6 correctness + 0.2 tool use + 0.2 efficiency, clamped to [0, 1].
 
