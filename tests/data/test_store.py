@@ -12,8 +12,10 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+from botocore.exceptions import ClientError
 
 from flywheel.data import ArtifactNotFound, ArtifactStore, CorruptBlobError, RefConflict, StoreError, lineage
+from flywheel.data.manifest import FileEntry, Manifest, check_kind, check_relpaths
 
 
 @pytest.fixture
@@ -222,3 +224,73 @@ def test_store_works_where_the_kernel_cannot_sendfile(
     out = local_store.get("model/plain-copy", tmp_path / "out")
     assert (out / "sub/weights.bin").read_bytes() == (src / "sub/weights.bin").read_bytes()
     assert local_store.verify() == [] and manifest.files["config.json"].size == 8
+
+
+# -- manifests, without a store ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "relpath", ["", "a\\b", "a\0b", "./a", "a/./b", "a/../b", "a//b", "/abs", "x" * 256, "d/" + "é" * 128]
+)
+def test_a_file_name_outside_its_artifact_is_refused(relpath: str) -> None:
+    with pytest.raises(ValueError, match="must be a relative path inside the artifact"):
+        check_relpaths(["ok.txt", relpath])
+
+
+def test_a_file_name_part_may_take_255_bytes() -> None:
+    check_relpaths(["x" * 255, "d/" + "é" * 127 + "x"])  # NAME_MAX: 255 bytes (é is 2), not characters.
+
+
+def test_a_file_that_is_also_a_folder_deeper_down_is_named() -> None:
+    with pytest.raises(ValueError, match=r"^'a/b' is both a file and a folder of the artifact$"):
+        check_relpaths(["a/b", "a/b/c/d"])
+    check_relpaths(["a/b/c", "a/bc", "a/b/d", "ab"])  # Siblings and mere prefixes are no folders.
+
+
+def test_an_invalid_kind_is_quoted_by_its_first_80_characters() -> None:
+    kind = "k" * 79 + "/" + "z" * 100
+    with pytest.raises(ValueError) as err:
+        check_kind(kind)
+    assert str(err.value).startswith(f"invalid kind {kind[:80]!r}: ")
+
+
+def test_a_manifest_id_is_the_sha256_of_its_sorted_compact_json() -> None:
+    """Ids address stored manifests: the bytes they hash must never change. Parameters are dumped as JSON
+    (a Path as its text)."""
+    manifest = Manifest(
+        kind="dataset",
+        name="n",
+        files={"b.txt": FileEntry(sha256="0" * 64, size=1)},
+        params={"z": 1, "a": Path("x/y")},
+        code_version="git:abc",
+        created="2026-12-06T00:00:00.000+00:00",
+    )
+    expected = (
+        b'{"code_version":"git:abc","created":"2026-12-06T00:00:00.000+00:00","files":{"b.txt":{"sha256":"'
+        + b"0" * 64
+        + b'","size":1}},"kind":"dataset","metrics":{},"name":"n","params":{"a":"x/y","z":1},"parents":[]}'
+    )
+    assert manifest.canonical_bytes() == expected
+    assert manifest.id == hashlib.sha256(expected).hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("cause", "refused"),
+    [
+        pytest.param(None, False, id="no-cause"),
+        pytest.param(ValueError("no response"), False, id="cause-without-response"),
+        pytest.param(ClientError({"ResponseMetadata": {}}, "PutObject"), False, id="response-without-error"),
+        pytest.param(ClientError({"Error": {"Code": "NoSuchKey"}}, "PutObject"), False, id="another-error"),
+        pytest.param(ClientError({"Error": {"Code": "PreconditionFailed"}}, "PutObject"), True, id="precondition"),
+        pytest.param(ClientError({"Error": {"Code": "412"}}, "PutObject"), True, id="412"),
+        pytest.param(ClientError({"Error": {"Code": "ConditionalRequestConflict"}}, "PutObject"), True, id="conflict"),
+    ],
+)
+def test_only_a_refused_condition_is_a_lost_compare_and_swap(cause: BaseException | None, refused: bool) -> None:
+    """s3fs wraps botocore's error in an OSError: a write refused by its condition is a lost race (retried);
+    any other failure is not (it propagates)."""
+    from flywheel.data.refs import _is_precondition_failure
+
+    err = OSError("put_object failed")
+    err.__cause__ = cause
+    assert _is_precondition_failure(err) is refused

@@ -40,6 +40,38 @@ def test_the_judge_reads_a_json_verdict_and_falls_back_to_keywords() -> None:
     assert asyncio.run(judge(_Judge(None), "q", "capital is Paris", "capital Paris")) == 1.0  # Judge down.
 
 
+def test_rewards_weigh_their_signals_to_six_decimals() -> None:
+    assert rewards.multi_signal_reward(1.0, 0.0, 1.0) == 0.8  # No tool used: that part is 0, not an error.
+    assert rewards.multi_signal_reward(1 / 3, 1 / 3, 1 / 3) == 0.333333
+
+
+@pytest.mark.parametrize(
+    ("reply", "score"),
+    [
+        ('{"score": 3} and later {"score": 9}', 0.3),  # The first verdict counts.
+        ('Thinking {not json}, {{"score": 8}', 0.8),  # Braces that open no JSON object are skipped.
+        ('{"score": 15}', 1.0),
+        ('{"score": -3}', 0.0),
+        ('{"reason": "no score"}', None),
+        ('{"score": "7"}', None),
+        ('{"score": true}', None),
+        ("no verdict at all", None),
+    ],
+)
+def test_a_verdict_is_the_first_json_objects_numeric_score(reply: str, score: float | None) -> None:
+    assert rewards.parse_verdict(reply) == score
+
+
+def test_the_final_answer_is_the_last_assistant_text() -> None:
+    assert rewards.final_answer([{"role": "assistant", "content": "a"}, {"role": "tool", "content": "x"}]) == "a"
+    assert rewards.final_answer([{"role": "user", "content": "task"}, {"role": "assistant", "content": ""}]) == ""
+
+
+def test_a_call_without_a_function_has_no_name() -> None:
+    messages = [{"role": "assistant", "tool_calls": [{"id": "c1"}, {"function": {}}, {"function": {"name": "ls"}}]}]
+    assert rewards.tools_used(messages) == ["", "", "ls"]
+
+
 def _git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from flywheel.environments.agent.policies import ScriptedPolicy, batch, call, do_nothing, final
+from flywheel.environments.agent_loop import AgentResult
 from flywheel.environments.custom.file_stats_env import FileStatsEnv
 from flywheel.environments.hermes_base_env import HermesAgentBaseEnv
 from flywheel.environments.long_horizon import LongHorizonEnv
@@ -259,3 +260,19 @@ def test_a_right_answer_with_wrong_json_types_earns_nothing(
     assert all(done and reward >= 0.98 for reward, done in typed), typed  # tool_use_chain: 0.01 less per turn.
     stringly = _outcomes(env_cls, tiny_model, indices, lambda item: _answer(item, stringly=True))
     assert all(reward == 0.0 and done is False for reward, done in stringly), stringly
+
+
+def test_file_stats_rewards_the_verified_file_and_adds_the_judged_reply(tiny_model: Path) -> None:
+    """0.8 for the verified file, plus 0.2 x the judge's grade of the final reply (keyword overlap with the
+    reference under the oracle teacher); a task not done earns nothing, however well its reply reads."""
+    env = FileStatsEnv(tokenizer_name=str(tiny_model), teacher="oracle")
+    item = {"item_id": "x", "answer": {"lines": 7}, "reference": "notes.txt has 7 lines"}
+
+    def reward(reply: str, done: bool = True) -> float:
+        messages = [{"role": "user", "content": "How many lines?"}, {"role": "assistant", "content": reply}]
+        return asyncio.run(env.compute_reward(item, AgentResult(messages, task_completed=done), None))  # type: ignore[arg-type]
+
+    assert reward("notes.txt has 7 lines") == 1.0
+    assert reward("It has lines") == pytest.approx(0.8 + 0.2 * 2 / 4)  # has, lines of notes/txt/has/lines.
+    assert reward("") == 0.8
+    assert reward("notes.txt has 7 lines", done=False) == 0.0

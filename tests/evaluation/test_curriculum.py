@@ -437,3 +437,95 @@ def test_an_env_named_by_file_or_class_gets_its_samples_as_evidence() -> None:
     rows = {row["slice"]: row for row in curriculum[spec]["slices"]}
     assert rows["todo_report/easy"]["class"] == "mastered" and rows["todo_report/easy"]["n"] == 12
     assert rows["line_count/easy"]["n"] == 12 and rows["line_count/easy"]["class"] == "unsolved"
+
+
+def test_the_focus_takes_the_easiest_difficulty_first_and_a_whole_env_counts_as_easy() -> None:
+    """Without turn budgets the difficulty alone ranks unsolved slices: an unlocked medium slice waits for
+    the next category's easy one. An env without categories (one slice, `*`, nothing to unlock) ranks as
+    easy, and the envs after it still get their slices."""
+    curriculum = build_curriculum(
+        [],
+        {"tool_use_chain": ("todo_report", "line_count")},
+        previous={"tool_use_chain": {"unlocked": ["todo_report/medium"]}},
+    )
+    plan_generation(curriculum, groups=4, config=CurriculumConfig(focus=2))
+    assert {row["slice"] for row in curriculum["tool_use_chain"]["slices"] if row["groups"]} == {
+        "todo_report/easy",
+        "line_count/easy",
+    }
+    whole_first = build_curriculum([], {"file_stats": (), "tool_use_chain": ("todo_report",)})
+    assert whole_first["file_stats"]["unlocked"] == ["*"] and whole_first["file_stats"]["newly_unlocked"] == []
+    plan_generation(whole_first, groups=4, config=CurriculumConfig(focus=1))
+    assert whole_first["file_stats"]["slices"][0]["groups"] == 4
+    assert "focus of 1" in whole_first["tool_use_chain"]["slices"][0]["waits"]
+
+
+def _rows(script: dict[tuple[str, str], tuple[int, int]], config: CurriculumConfig | None = None) -> dict[str, dict]:
+    return {
+        row["slice"]: row for row in build_curriculum(outcomes(script), FAMILIES, config)["tool_use_chain"]["slices"]
+    }
+
+
+def test_a_slice_unlocked_this_round_is_judged_by_its_own_outcomes_and_the_envs() -> None:
+    """Mastered easy todo_report unlocks medium now; no medium slice was open before, so the difficulty level
+    has no evidence and the env's decides: 2 of 2 beside 36 of 36 is mastered (and unlocks hard at once),
+    1 of 4 beside 12 of 12 stays learnable. A locked slice says so."""
+    easy = {(c, "easy"): (12, 12) for c in CATEGORIES}
+    rows = _rows({**easy, ("todo_report", "medium"): (2, 2)})
+    medium = rows["todo_report/medium"]
+    assert (medium["class"], medium["wins"], medium["n"], medium["evidence"]) == (
+        "mastered",
+        2,
+        2,
+        "tool_use_chain/*/*",
+    )
+    assert rows["todo_report/hard"]["class"] == "unsolved"
+    assert (rows["line_count/hard"]["class"], rows["line_count/hard"]["evidence"]) == ("locked", "locked")
+    rows = _rows({("todo_report", "easy"): (12, 12), ("todo_report", "medium"): (1, 4)}, CurriculumConfig(z=0.5))
+    assert (rows["todo_report/medium"]["class"], rows["todo_report/medium"]["evidence"]) == ("learnable", "undecided")
+
+
+def test_a_parents_evidence_needs_the_slices_own_rate_strictly_beyond_the_threshold() -> None:
+    """The env's other easy slices lost 80 of 80 (or won 80 of 80): a slice that won 1 of 5 is unsolved by
+    that evidence, one at exactly 3 of 10 (the `low` 0.3) or 7 of 10 (the `high` 0.7) stays learnable."""
+    failing = {("line_count", "easy"): (0, 40), ("csv_summary", "easy"): (0, 40)}
+    row = _rows({**failing, ("todo_report", "easy"): (1, 5)})["todo_report/easy"]
+    assert (row["class"], row["wins"], row["n"], row["evidence"]) == ("unsolved", 1, 5, "tool_use_chain/*/easy")
+    assert _rows({**failing, ("todo_report", "easy"): (3, 10)})["todo_report/easy"]["class"] == "learnable"
+    solved = {("line_count", "easy"): (40, 40), ("csv_summary", "easy"): (40, 40)}
+    assert _rows({**solved, ("todo_report", "easy"): (7, 10)})["todo_report/easy"]["class"] == "learnable"
+
+
+def test_an_interval_at_the_threshold_decides_nothing() -> None:
+    """Unsolved needs the upper bound under `low`, mastered the lower bound over `high`: equal is not enough."""
+    at_low = CurriculumConfig(low=curriculum_module.wilson(0, 10)[1])
+    row = _rows({("todo_report", "easy"): (0, 10)}, at_low)["todo_report/easy"]
+    assert (row["class"], row["evidence"]) == ("unsolved", "no success yet")  # Not by its interval.
+    at_high = CurriculumConfig(high=curriculum_module.wilson(10, 10)[0])
+    assert _rows({("todo_report", "easy"): (10, 10)}, at_high)["todo_report/easy"]["class"] == "learnable"
+    # One item is evidence too: at z = 0.5, 0 of 1 has the interval [0, 0.2].
+    row = _rows({("todo_report", "easy"): (0, 1)}, CurriculumConfig(z=0.5))["todo_report/easy"]
+    assert (row["class"], row["evidence"], row["ci"]) == ("unsolved", "tool_use_chain/todo_report/easy", [0.0, 0.2])
+
+
+def test_every_row_records_its_interval_at_the_configured_width() -> None:
+    rows = _rows({("todo_report", "easy"): (0, 2), ("line_count", "easy"): (1, 3)}, CurriculumConfig(z=1.0))
+    assert rows["todo_report/easy"] | {"slice": ""} == {
+        "class": "unsolved",
+        "wins": 0,
+        "n": 2,
+        "ci": [0.0, 0.3333],
+        "evidence": "no success yet",
+        "slice": "",
+    }
+    assert (rows["line_count/easy"]["evidence"], rows["line_count/easy"]["ci"]) == ("undecided", [0.1356, 0.6144])
+
+
+def test_a_learnable_slice_left_without_a_group_says_why_and_grpo_weights_have_four_decimals() -> None:
+    even = build_curriculum(outcomes({(c, "easy"): (1, 2) for c in CATEGORIES}), FAMILIES)
+    plan_generation(even, groups=2)  # Three learnable slices at even odds, two groups.
+    last = even["tool_use_chain"]["slices"][6]
+    assert (last["slice"], last["class"], last["groups"]) == ("csv_summary/easy", "learnable", 0)
+    assert last["waits"] == "no group left: this round's 2 groups went to other slices"
+    one_of_three = build_curriculum(outcomes({("todo_report", "easy"): (1, 3)}), {"tool_use_chain": ("todo_report",)})
+    assert grpo_mix(one_of_three)["tool_use_chain"]["todo_report/easy"] == 0.2447  # p(1 - p), p the Wilson centre.

@@ -279,3 +279,58 @@ def test_an_item_whose_task_changed_is_not_the_same_item(store: ArtifactStore) -
     same = stored("agentic-again", with_prompt(rows, "a1b2c3"))
     after = stored("agentic-typed", with_prompt(rows, "d4e5f6"))
     assert shares_items(store, [same], [before]) and not shares_items(store, [after], [before])
+
+
+def test_without_primary_items_on_either_side_nothing_is_promoted() -> None:
+    """Only lm-eval tasks on one side (no agentic eval): there is nothing to pair, so no promotion."""
+    agentic, _ = _wins(3)
+    tasks_only = {"task/arc": {"0#a": 1.0}}
+    for candidate, champion in ((tasks_only, agentic), (agentic, tasks_only)):
+        assert decide(candidate, champion) == {
+            "promote": False,
+            "reason": "no shared primary items between candidate and champion",
+        }
+
+
+def test_the_bootstrap_is_seeded_so_a_decision_can_be_reproduced() -> None:
+    """One won item of 30 is a coin flip for the bootstrap: the same seed gives the same P(better) every
+    time (the gate artifact records the seed), another seed another estimate."""
+    estimates = {decide(*_wins(1), GateConfig(seed=0))["p_better"] for _ in range(3)}
+    assert estimates == {0.6495}
+    assert decide(*_wins(1), GateConfig(seed=1))["p_better"] == 0.638
+
+
+def test_a_guard_delta_is_recorded_to_four_decimals() -> None:
+    candidate = {"primary": dict.fromkeys(("a:0", "a:1", "a:2"), 1.0), "env/x": {"x:0": 0.0, "x:1": 1.0, "x:2": 1.0}}
+    champion = {
+        "primary": dict.fromkeys(("a:0", "a:1", "a:2"), 0.0),
+        "env/x": dict.fromkeys(("x:0", "x:1", "x:2"), 1.0),
+    }
+    assert decide(candidate, champion)["guards"] == {"env/x": {"delta": -0.3333, "n": 3, "regressed": True}}
+
+
+def _lm_eval_samples(target: object, prompt: str = "2 + 2 =") -> str:
+    """One lm-eval task's per-document samples (`evaluation/lm_eval_runner.py` writes these fields)."""
+    return _jsonl([{"task": "arith", "doc_id": 0, "prompt": prompt, "target": target, "success": True}])
+
+
+def test_lm_eval_documents_pair_by_id_and_content(store: ArtifactStore) -> None:
+    """A document is the same item when its id, prompt and target are (the target's key order aside): a
+    changed prompt or target (a new suite version) pairs nothing. An eval with lm-eval tasks only shares
+    no agentic item with any other."""
+    from flywheel.evaluation.gate import paired_outcomes, shares_items
+
+    def keys(target: object, prompt: str = "2 + 2 =") -> list[str]:
+        files = {"samples/arith.jsonl": _lm_eval_samples(target, prompt)}
+        outcomes = paired_outcomes(store, store.put("eval", "lm-eval", files).id)
+        assert set(outcomes) == {"task/arith"} and set(outcomes["task/arith"].values()) == {1.0}
+        return list(outcomes["task/arith"])
+
+    [key] = keys({"answer": "4", "unit": "none"})
+    assert key.startswith("0#") and len(key) == 2 + 12 and int(key[2:], 16) >= 0
+    assert keys({"unit": "none", "answer": "4"}) == [key]
+    assert keys({"answer": "5", "unit": "none"}) != [key]
+    assert keys({"answer": "4", "unit": "none"}, prompt="2 + 2 = ?") != [key]
+    lm_only = store.put("eval", "lm-eval", {"samples/arith.jsonl": _lm_eval_samples("4")}).id
+    agentic = store.put("eval", "agentic", {"samples/tool_use_chain.jsonl": _jsonl(_samples({KEY: 0.5}, n=4))}).id
+    assert not shares_items(store, [lm_only], [agentic]) and not shares_items(store, [agentic], [lm_only])

@@ -1,0 +1,302 @@
+"""Mutation pass (mutmut 3) over the promotion gate, the curriculum, the store's refs and manifests, and the
+envs' verifiers: how many mutants the tests kill, per module.
+
+.venv/bin/python scripts/mutation_pass.py                       # every module (about two hours on 2 cores)
+.venv/bin/python scripts/mutation_pass.py --only data/refs.py   # one module (repeat --only for more)
+
+mutmut names a module by its file's path below `src/`, while this repository's folders (`data/`,
+`environments/`, ...) are imported as `flywheel.data`, `flywheel.environments`, ... (pyproject.toml's
+`package-dir`). So the pass runs in a staging folder with a real package layout, `src/flywheel/<package>`,
+copied from the working tree together with `tests/`; the tests there import the mutated copy, never the
+checkout. Env modules are mutated only in their verifiers (the functions listed in `TARGETS`), not in their
+task generators. The staging folder is kept: `mutants/` holds mutmut's results, `survivors.diff` the diff of
+every mutant that survived (`mutmut show NAME` there prints one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("data", "environments", "evaluation", "flows", "inference", "training")
+MUTMUT = Path(sys.executable).parent / "mutmut"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A module to mutate (a path in the repository), the functions mutated in it (None: all of them;
+    `Class.method` for a method) and the test files that judge it."""
+
+    path: str
+    functions: tuple[str, ...] | None
+    tests: tuple[str, ...]
+
+    @property
+    def module(self) -> str:
+        return "flywheel." + self.path.removesuffix(".py").replace("/", ".")
+
+    def patterns(self) -> list[str]:
+        """mutmut's mutant-name globs for this target (`x_f` a function, `xǁClassǁmethod` a method)."""
+        if self.functions is None:
+            return [f"{self.module}.*"]
+        return [f"{self.module}.{_mangled(name)}__mutmut_*" for name in self.functions]
+
+    def owns(self, mutant: str) -> bool:
+        if self.functions is None:
+            return mutant.startswith(f"{self.module}.")
+        return any(mutant.startswith(f"{self.module}.{_mangled(name)}__mutmut_") for name in self.functions)
+
+
+def _mangled(name: str) -> str:
+    cls, _, method = name.rpartition(".")
+    return f"xǁ{cls}ǁ{method}" if cls else f"x_{name}"
+
+
+STORE_TESTS = ("tests/data/test_store.py", "tests/security/test_store_attacks.py")
+GATE_TESTS = ("tests/evaluation/test_mining_and_gate.py", "tests/evaluation/test_infra_accounting.py")
+CURRICULUM_TESTS = ("tests/evaluation/test_curriculum.py", "tests/evaluation/test_steering.py")
+VERIFIER_TESTS = (
+    "tests/environments/test_verifiers.py",
+    "tests/environments/test_verify_calls.py",
+    "tests/environments/test_rewards_and_instances.py",
+    "tests/environments/test_seed_contract.py",
+    "tests/environments/test_seed_004.py",
+    "tests/security/test_hostile_outputs.py",
+    "tests/security/test_verifier_attacks.py",
+)
+TARGETS = (
+    Target("evaluation/gate.py", None, GATE_TESTS),
+    Target("evaluation/curriculum.py", None, CURRICULUM_TESTS),
+    Target("data/refs.py", None, STORE_TESTS),
+    Target("data/manifest.py", None, STORE_TESTS),
+    Target("environments/tasks/tool_use_chain_tasks.py", ("verify", "_verify_one", "_table_rows"), VERIFIER_TESTS),
+    Target("environments/tasks/web_tasks.py", ("verify",), VERIFIER_TESTS),
+    Target("environments/tasks/long_horizon_tasks.py", ("pyproject_ok", "readme_ok"), VERIFIER_TESTS),
+    Target(
+        "environments/long_horizon.py",
+        (
+            "LongHorizonEnv.verify",
+            "LongHorizonEnv.compute_reward",
+            "milestone_score",
+            "_tests_pin_the_function",
+            "mutant_source",
+            "_read",
+        ),
+        VERIFIER_TESTS,
+    ),
+    Target(
+        "environments/swe_bench.py",
+        (
+            "SWEBenchEnv.verify",
+            "verify_hidden_checks",
+            "_is_test",
+            "hidden_test_files",
+            "restore_test_files",
+        ),
+        VERIFIER_TESTS,
+    ),
+    # The generated SWE task is its own ground truth: its hidden checks and the imports they run under.
+    Target("environments/tasks/swe_tasks.py", ("make_task",), VERIFIER_TESTS),
+    Target("environments/verify/untrusted.py", None, VERIFIER_TESTS),
+    Target("environments/verify/scoring.py", None, VERIFIER_TESTS),
+    Target("environments/verify/rewards.py", None, VERIFIER_TESTS),
+    Target("environments/verify/calls.py", None, VERIFIER_TESTS),
+    Target("environments/verify/hidden_tests.py", None, VERIFIER_TESTS),
+    Target(
+        "environments/custom/file_stats_env.py", ("FileStatsEnv.verify", "FileStatsEnv.compute_reward"), VERIFIER_TESTS
+    ),
+)
+# Folders the tests import beside `flywheel` (the curriculum's tests run `benchmarks.curriculum_ablation`).
+COPIED = ("tests", "benchmarks")
+# Tests that need the checkout itself (its top-level `environments/` folder), not a copy of the package.
+DESELECT = ("tests/environments/test_seed_contract.py::test_the_seeds_import_spelling_names_our_modules_in_a_checkout",)
+# A conftest.py above `tests/` in the staging folder, imported once by mutmut's fork server (every mutant's
+# process is a fork of it): it imports every module of flywheel and the benchmarks there, so that no mutant's
+# process imports them again (a test importing `benchmarks.curriculum_ablation` lazily took 10 s a mutant),
+# and it runs a mutant's covering tests fastest first, a test module's tests together (its module-scoped
+# fixtures are set up once), so that a killed mutant's first failure comes early.
+STAGING_CONFTEST = '''"""Preload what the tests import; run the fastest test modules first (mutmut-stats.json)."""
+
+import contextlib
+import importlib
+import json
+from pathlib import Path
+
+import boto3  # noqa: F401  (The S3 fixture's libraries.)
+import moto.server  # noqa: F401
+import pytest
+import s3fs  # noqa: F401
+
+for root in (Path("src/flywheel"), Path("benchmarks")):
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts  # flywheel.data.refs, benchmarks.rl_gain
+        with contextlib.suppress(Exception):
+            importlib.import_module(".".join(parts).removesuffix(".__init__"))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    stats = Path("mutmut-stats.json")
+    if not stats.exists():
+        return
+    duration = json.loads(stats.read_text())["duration_by_test"]
+    module: dict[str, float] = {}
+    for item in items:
+        name = item.nodeid.split("::")[0]
+        module[name] = module.get(name, 0.0) + duration.get(item.nodeid, 0.0)
+    items.sort(key=lambda item: (module[item.nodeid.split("::")[0]], duration.get(item.nodeid, 0.0)))
+'''
+
+
+def check_functions(targets: list[Target]) -> list[str]:
+    """The listed functions no target module defines (renamed or removed since the list was written)."""
+    missing = []
+    for target in targets:
+        tree = ast.parse((ROOT / target.path).read_text())
+        defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)}
+        for cls in (node for node in tree.body if isinstance(node, ast.ClassDef)):
+            defined |= {
+                f"{cls.name}.{f.name}" for f in cls.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+            }
+        missing += [f"{target.path}: {name}" for name in target.functions or () if name not in defined]
+    return missing
+
+
+def stage(staging: Path, targets: list[Target]) -> None:
+    """`staging/src/flywheel/...` and `staging/tests` from the working tree, and a pyproject.toml for mutmut."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+    package = staging / "src" / "flywheel"
+    package.mkdir(parents=True)
+    shutil.copy2(ROOT / "flywheel" / "__init__.py", package / "__init__.py")
+    for name in PACKAGES:
+        shutil.copytree(ROOT / name, package / name, ignore=ignore)
+    for folder in COPIED:
+        shutil.copytree(ROOT / folder, staging / folder, ignore=ignore)
+    (staging / "conftest.py").write_text(STAGING_CONFTEST)
+    pytest_ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    tests = sorted({test for target in targets for test in target.tests})
+    mutmut = {
+        "source_paths": ["src"],
+        "also_copy": ["conftest.py", *COPIED],
+        "only_mutate": sorted({f"src/flywheel/{target.path}" for target in targets}),
+        "pytest_add_cli_args_test_selection": tests,
+        # One process: no xdist workers (mutmut runs the mutants one at a time, `--max-children 1`).
+        "pytest_add_cli_args": [
+            *("-p", "no:xdist", "-p", "no:cacheprovider"),
+            *("-p", "no:unraisableexception"),  # Its gc.collect at every session's end costs seconds a mutant.
+            *(f"--deselect={test}" for test in DESELECT),
+        ],
+        "timeout_multiplier": 10.0,
+        # Each pytest session in a fresh fork of a server that only imported the tests: a session run after
+        # another in one process finds the first one's cached S3 clients pointing at a stopped endpoint.
+        "process_isolation": "forkserver",
+    }
+    pytest_ini["addopts"] = pytest_ini["addopts"].replace("--durations=30", "").strip()
+    lines = ["[tool.mutmut]", *_toml_table(mutmut), "", "[tool.pytest.ini_options]", *_toml_table(pytest_ini)]
+    (staging / "pyproject.toml").write_text("\n".join(lines) + "\n")
+
+
+def _toml_table(table: dict[str, object]) -> list[str]:
+    """`key = value` lines (strings, numbers and lists of strings: JSON spells them as TOML does)."""
+    return [f"{key} = {json.dumps(value, ensure_ascii=False)}" for key, value in table.items()]
+
+
+def mutmut(staging: Path, *args: str, check: bool = True) -> str:
+    """Run mutmut in the staging folder; its output (stdout and stderr) as text."""
+    done = subprocess.run(
+        [str(MUTMUT), *args], cwd=staging, capture_output=True, text=True, env={**os.environ, "PYTHONUTF8": "1"}
+    )
+    if check and done.returncode:
+        sys.exit(f"mutmut {' '.join(args[:1])} failed ({done.returncode}):\n{done.stdout[-4000:]}{done.stderr[-4000:]}")
+    return done.stdout + done.stderr
+
+
+def statuses(staging: Path) -> dict[str, str]:
+    """Every mutant's status, from `mutmut results --all true` (`    name: status` lines)."""
+    found = re.findall(r"^\s+(\S+): (.+)$", mutmut(staging, "results", "--all", "true"), flags=re.MULTILINE)
+    return dict(found)
+
+
+def report(targets: list[Target], found: dict[str, str]) -> tuple[str, list[str]]:
+    """A markdown table per module (mutants, killed, survived, timeout, no tests, kill %) and the survivors."""
+    rows = ["| module | mutants | killed | survived | timeout | no tests | other | killed % |", "|---" * 8 + "|"]
+    survivors, total = [], Counter()
+    for target in targets:
+        mine = {name: status for name, status in found.items() if target.owns(name) and status != "not checked"}
+        counts = Counter(mine.values())
+        other = len(mine) - sum(counts[s] for s in ("killed", "survived", "timeout", "no tests"))
+        total.update(counts)
+        total["mutants"] += len(mine)
+        rows.append(
+            f"| {target.path} | {len(mine)} | {counts['killed']} | {counts['survived']} | {counts['timeout']} | "
+            f"{counts['no tests']} | {other} | {_percent(counts['killed'], len(mine))} |"
+        )
+        survivors += sorted(name for name, status in mine.items() if status != "killed")
+    other = total["mutants"] - sum(total[s] for s in ("killed", "survived", "timeout", "no tests"))
+    rows.append(
+        f"| **all** | {total['mutants']} | {total['killed']} | {total['survived']} | {total['timeout']} | "
+        f"{total['no tests']} | {other} | {_percent(total['killed'], total['mutants'])} |"
+    )
+    return "\n".join(rows), survivors
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}" if whole else "-"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", metavar="PATH", help="a module of TARGETS (repeatable)")
+    parser.add_argument("--staging", type=Path, help="an empty or missing folder (default: a new one in /tmp)")
+    parser.add_argument("--max-children", type=int, default=1, help="mutants run at once (default 1)")
+    args = parser.parse_args()
+    known = {target.path: target for target in TARGETS}
+    unknown = sorted(set(args.only or ()) - set(known))
+    if unknown:
+        parser.error(f"not in TARGETS: {', '.join(unknown)}")
+    targets = [known[path] for path in args.only] if args.only else list(TARGETS)
+    if missing := check_functions(targets):
+        parser.error(f"TARGETS lists functions that are not there: {', '.join(missing)}")
+    staging = args.staging or Path(tempfile.mkdtemp(prefix="flywheel-mutation-"))
+    if staging.exists() and any(staging.iterdir()):
+        parser.error(f"{staging} is not empty")
+    started = time.monotonic()
+    stage(staging, targets)
+    print(f"staging: {staging}", flush=True)
+    run(staging, targets, args.max_children)
+    print(f"\ntook {time.monotonic() - started:.0f} s")
+
+
+def run(staging: Path, targets: list[Target], max_children: int) -> None:
+    """Run mutmut in a staged folder; print the table and the mutants not killed (their diffs to a file)."""
+    patterns = [pattern for target in targets for pattern in target.patterns()]
+    # mutmut's exit status is not the verdict (it is 0 with survivors): the statuses below are.
+    output = mutmut(staging, "run", "--max-children", str(max_children), *patterns, check=False)
+    (staging / "mutmut-run.log").write_text(output)
+    found = statuses(staging)
+    if not any(target.owns(name) for name in found for target in targets):
+        sys.exit(f"mutmut produced no results; its output is in {staging / 'mutmut-run.log'}:\n{output[-4000:]}")
+    table, survivors = report(targets, found)
+    diffs = [mutmut(staging, "show", name, check=False) for name in survivors]
+    (staging / "survivors.diff").write_text("\n".join(diffs))
+    print(table)
+    print(f"\nnot killed ({len(survivors)}), diffs in {staging / 'survivors.diff'}:")
+    for name in survivors:
+        print(f"  {name}: {found[name]}")
+
+
+if __name__ == "__main__":
+    main()
