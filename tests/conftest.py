@@ -172,3 +172,18 @@ def fake_openai() -> Iterator[Callable[..., str]]:
     for server in servers:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture(scope="module")
+def function_calling_env(tiny_model: Path) -> Iterator[Any]:
+    """A set-up `FunctionCallingEnv` acting as its oracle; every rollout's sandbox is released by the end."""
+    import asyncio
+
+    from flywheel.environments.function_calling import FunctionCallingEnv
+    from flywheel.environments.tool_context import live_task_ids
+
+    made = FunctionCallingEnv(tokenizer_name=str(tiny_model), teacher="oracle")
+    asyncio.run(made.setup())
+    yield made
+    asyncio.run(made.teardown())
+    assert live_task_ids() == []

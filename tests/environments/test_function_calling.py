@@ -9,7 +9,7 @@ import functools
 import json
 import random
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,6 @@ from flywheel.environments.registry import ENVIRONMENTS, env_class, teacher_turn
 from flywheel.environments.task_stream import DIFFICULTIES, TaskStream
 from flywheel.environments.tasks import function_calling_tasks as tasks
 from flywheel.environments.tool_call_parsers import get_parser
-from flywheel.environments.tool_context import live_task_ids
 from flywheel.evaluation.suite import TOOLS, suite_items
 
 Item = dict[str, Any]
@@ -33,12 +32,8 @@ HERMES = get_parser("hermes")
 
 
 @pytest.fixture(scope="module")
-def env(tiny_model: Path) -> Iterator[FunctionCallingEnv]:
-    made = FunctionCallingEnv(tokenizer_name=str(tiny_model), teacher="oracle")
-    asyncio.run(made.setup())
-    yield made
-    asyncio.run(made.teardown())
-    assert live_task_ids() == []  # Every rollout's sandbox was released.
+def env(function_calling_env: FunctionCallingEnv) -> FunctionCallingEnv:
+    return function_calling_env
 
 
 @pytest.fixture(scope="module")

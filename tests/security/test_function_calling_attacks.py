@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,19 +14,14 @@ import pytest
 from flywheel.environments.agent.policies import ScriptedPolicy, final
 from flywheel.environments.agent_loop import AgentResult
 from flywheel.environments.function_calling import FunctionCallingEnv
-from flywheel.environments.tool_context import live_task_ids
 
 Item = dict[str, Any]
 DEEP = 100_000
 
 
 @pytest.fixture(scope="module")
-def env(tiny_model: Path) -> Iterator[FunctionCallingEnv]:
-    made = FunctionCallingEnv(tokenizer_name=str(tiny_model), teacher="oracle")
-    asyncio.run(made.setup())
-    yield made
-    asyncio.run(made.teardown())
-    assert live_task_ids() == []
+def env(function_calling_env: FunctionCallingEnv) -> FunctionCallingEnv:
+    return function_calling_env
 
 
 @pytest.fixture(scope="module")
