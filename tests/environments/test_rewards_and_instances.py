@@ -13,7 +13,13 @@ from typing import Any
 import pytest
 
 from flywheel.environments.agent.policies import ScriptedPolicy, call, do_nothing, final
-from flywheel.environments.swe_bench import SWEBenchEnv, hidden_test_files, load_instances
+from flywheel.environments.swe_bench import (
+    SWEBenchEnv,
+    _is_test,
+    hidden_test_files,
+    load_instances,
+    restore_test_files,
+)
 from flywheel.environments.verify import rewards
 
 
@@ -171,6 +177,36 @@ def test_hidden_test_files_are_the_patched_files_and_the_named_tests_at_the_base
         "t/test_c.py": None,
         "t/test_new.py": "N\n",
     }
+
+
+class _RecordingContext:
+    """What `restore_test_files` asks of a sandbox: the files it writes and the commands it runs."""
+
+    def __init__(self) -> None:
+        self.written: dict[str, str] = {}
+        self.commands: list[str] = []
+
+    def write_file(self, path: str, content: str) -> None:
+        self.written[path] = content
+
+    def terminal(self, command: str, **_: Any) -> dict[str, Any]:
+        self.commands.append(command)
+        return {"exit_code": 0, "output": ""}
+
+
+def test_the_hidden_tests_are_written_over_the_agents_and_deleted_files_removed() -> None:
+    ctx = _RecordingContext()
+    assert restore_test_files(ctx, {"t/test_a.py": "A\n", "t/old test.py": None})  # type: ignore[arg-type]
+    assert ctx.written == {"t/test_a.py": "A\n"} and ctx.commands == ["rm -rf -- 't/old test.py'"]
+
+
+@pytest.mark.parametrize(
+    ("path", "is_test"),
+    [("t/test_a.py", True), ("t/a_test.py", True), ("t/helpers.py", False), ("t/test_a.txt", False)],
+)
+def test_a_canary_goes_into_each_hidden_test_module_only(path: str, is_test: bool) -> None:
+    """pytest's own naming (`test_*.py`, `*_test.py`): a helper module the patch touches gets no canary."""
+    assert _is_test(path) is is_test
 
 
 def test_swe_instances_held_out_for_evaluation_are_never_trained_on(tiny_model: Path, tmp_path: Path) -> None:

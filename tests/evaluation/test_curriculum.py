@@ -529,3 +529,23 @@ def test_a_learnable_slice_left_without_a_group_says_why_and_grpo_weights_have_f
     assert last["waits"] == "no group left: this round's 2 groups went to other slices"
     one_of_three = build_curriculum(outcomes({("todo_report", "easy"): (1, 3)}), {"tool_use_chain": ("todo_report",)})
     assert grpo_mix(one_of_three)["tool_use_chain"]["todo_report/easy"] == 0.2447  # p(1 - p), p the Wilson centre.
+
+
+def test_equally_easy_slices_are_taken_from_each_env_in_turn() -> None:
+    """Four slices to teach of five equally easy ones: swe_bench's first two, then the web's two (its middle
+    category is learnable, not taught), never swe_bench's third before the web's second."""
+    swe = ("off_by_one", "wrong_operator", "wrong_condition")
+    web = ("under_price", "cheapest", "lookup_price")
+    half_solved = outcomes({("cheapest", "easy"): (1, 2)}, "web_navigation")
+    curriculum = build_curriculum(half_solved, {"swe_bench": swe, "web_navigation": web})
+    plan_generation(curriculum, groups=20, config=CurriculumConfig(min_teacher_groups=4))  # 20 / 4 - 1: four.
+    waiting = [row["slice"] for row in curriculum["swe_bench"]["slices"] if "focus of 4" in row.get("waits", "")]
+    assert waiting == ["wrong_condition/easy"]
+    assert all(row["groups"] == 4 for row in curriculum["web_navigation"]["slices"] if row["slice"].endswith("easy"))
+
+
+def test_a_slice_whose_env_has_no_teacher_keeps_the_rounds_turn_budget() -> None:
+    curriculum = build_curriculum([], {"file_stats": ()})
+    plan_generation(curriculum, groups=2, max_turns=1)
+    row = curriculum["file_stats"]["slices"][0]
+    assert (row["teacher_turns"], row["turns"], row["groups"]) == (None, 1, 2)
