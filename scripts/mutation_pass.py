@@ -1,16 +1,19 @@
 """Mutation pass (mutmut 3) over the promotion gate, the curriculum, the store's refs and manifests, and the
 envs' verifiers: how many mutants the tests kill, per module.
 
-.venv/bin/python scripts/mutation_pass.py                       # every module (about two hours on 2 cores)
+.venv/bin/python scripts/mutation_pass.py                       # every module (hours on 2 cores: docs/testing.md)
 .venv/bin/python scripts/mutation_pass.py --only data/refs.py   # one module (repeat --only for more)
 
 mutmut names a module by its file's path below `src/`, while this repository's folders (`data/`,
 `environments/`, ...) are imported as `flywheel.data`, `flywheel.environments`, ... (pyproject.toml's
-`package-dir`). So the pass runs in a staging folder with a real package layout, `src/flywheel/<package>`,
+`package-dir`). So the pass runs in staging folders with a real package layout, `src/flywheel/<package>`,
 copied from the working tree together with `tests/`; the tests there import the mutated copy, never the
 checkout. Env modules are mutated only in their verifiers (the functions listed in `TARGETS`), not in their
-task generators. The staging folder is kept: `mutants/` holds mutmut's results, `survivors.diff` the diff of
-every mutant that survived (`mutmut show NAME` there prints one).
+task generators. Each target names the test files that judge it, and the targets that share a list run in
+one staging folder of their own: a mutant runs the tests of that list that call its function (fastest
+first, stopping at the first failure), so a survivor of a small helper never waits for the long-horizon
+sandbox tests. The staging folders are kept: their `mutants/` hold mutmut's results (`mutmut show NAME`
+there prints a mutant), and `survivors.diff` beside them every mutant not killed.
 """
 
 from __future__ import annotations
@@ -68,20 +71,32 @@ def _mangled(name: str) -> str:
 STORE_TESTS = ("tests/data/test_store.py", "tests/security/test_store_attacks.py")
 GATE_TESTS = ("tests/evaluation/test_mining_and_gate.py", "tests/evaluation/test_infra_accounting.py")
 CURRICULUM_TESTS = ("tests/evaluation/test_curriculum.py", "tests/evaluation/test_steering.py")
+# The reward and parsing helpers: their own tests, the hostile outputs and the seed env contracts (not the
+# envs' end-to-end oracle and attack runs, which call them too but take minutes).
+HELPER_TESTS = (
+    "tests/environments/test_rewards_and_instances.py",
+    "tests/environments/test_seed_004.py",
+    "tests/environments/test_seed_contract.py",
+    "tests/security/test_hostile_outputs.py",
+)
+# The verifiers proper: every env's oracle, cheats and attacks, the hidden checks and SWE-bench instances.
 VERIFIER_TESTS = (
     "tests/environments/test_verifiers.py",
     "tests/environments/test_verify_calls.py",
     "tests/environments/test_rewards_and_instances.py",
-    "tests/environments/test_seed_contract.py",
-    "tests/environments/test_seed_004.py",
     "tests/security/test_hostile_outputs.py",
     "tests/security/test_verifier_attacks.py",
 )
-TARGETS = (
+TARGETS = (  # Grouped by test list (one staging folder each), the long-running verifier group last.
     Target("evaluation/gate.py", None, GATE_TESTS),
     Target("evaluation/curriculum.py", None, CURRICULUM_TESTS),
     Target("data/refs.py", None, STORE_TESTS),
     Target("data/manifest.py", None, STORE_TESTS),
+    Target("environments/verify/untrusted.py", None, HELPER_TESTS),
+    Target("environments/verify/scoring.py", None, HELPER_TESTS),
+    Target("environments/verify/rewards.py", None, HELPER_TESTS),
+    Target("environments/verify/calls.py", None, VERIFIER_TESTS),
+    Target("environments/verify/hidden_tests.py", None, VERIFIER_TESTS),
     Target("environments/tasks/tool_use_chain_tasks.py", ("verify", "_verify_one", "_table_rows"), VERIFIER_TESTS),
     Target("environments/tasks/web_tasks.py", ("verify",), VERIFIER_TESTS),
     Target("environments/tasks/long_horizon_tasks.py", ("pyproject_ok", "readme_ok"), VERIFIER_TESTS),
@@ -99,22 +114,11 @@ TARGETS = (
     ),
     Target(
         "environments/swe_bench.py",
-        (
-            "SWEBenchEnv.verify",
-            "verify_hidden_checks",
-            "_is_test",
-            "hidden_test_files",
-            "restore_test_files",
-        ),
+        ("SWEBenchEnv.verify", "verify_hidden_checks", "_is_test", "hidden_test_files", "restore_test_files"),
         VERIFIER_TESTS,
     ),
     # The generated SWE task is its own ground truth: its hidden checks and the imports they run under.
     Target("environments/tasks/swe_tasks.py", ("make_task",), VERIFIER_TESTS),
-    Target("environments/verify/untrusted.py", None, VERIFIER_TESTS),
-    Target("environments/verify/scoring.py", None, VERIFIER_TESTS),
-    Target("environments/verify/rewards.py", None, VERIFIER_TESTS),
-    Target("environments/verify/calls.py", None, VERIFIER_TESTS),
-    Target("environments/verify/hidden_tests.py", None, VERIFIER_TESTS),
     Target(
         "environments/custom/file_stats_env.py", ("FileStatsEnv.verify", "FileStatsEnv.compute_reward"), VERIFIER_TESTS
     ),
@@ -274,28 +278,38 @@ def main() -> None:
     if staging.exists() and any(staging.iterdir()):
         parser.error(f"{staging} is not empty")
     started = time.monotonic()
-    stage(staging, targets)
-    print(f"staging: {staging}", flush=True)
-    run(staging, targets, args.max_children)
+    groups: dict[tuple[str, ...], list[Target]] = {}
+    for target in targets:
+        groups.setdefault(target.tests, []).append(target)
+    found: dict[str, str] = {}
+    home: dict[str, Path] = {}  # Each mutant's staging folder.
+    for number, group in enumerate(groups.values(), start=1):
+        folder = staging / f"group-{number}"
+        stage(folder, group)
+        print(f"{', '.join(t.path for t in group)}: {folder}", flush=True)
+        done = run(folder, group, args.max_children)
+        found |= done
+        home |= dict.fromkeys(done, folder)
+        print(f"  done at {time.monotonic() - started:.0f} s", flush=True)
+    table, survivors = report(targets, found)
+    diffs = [mutmut(home[name], "show", name, check=False) for name in survivors]
+    (staging / "survivors.diff").write_text("\n".join(diffs))
+    print(f"\n{table}\n\nnot killed ({len(survivors)}), diffs in {staging / 'survivors.diff'}:")
+    for name in survivors:
+        print(f"  {name}: {found[name]}")
     print(f"\ntook {time.monotonic() - started:.0f} s")
 
 
-def run(staging: Path, targets: list[Target], max_children: int) -> None:
-    """Run mutmut in a staged folder; print the table and the mutants not killed (their diffs to a file)."""
+def run(staging: Path, targets: list[Target], max_children: int) -> dict[str, str]:
+    """Run mutmut in a staged folder on the targets' mutants; their statuses."""
     patterns = [pattern for target in targets for pattern in target.patterns()]
     # mutmut's exit status is not the verdict (it is 0 with survivors): the statuses below are.
     output = mutmut(staging, "run", "--max-children", str(max_children), *patterns, check=False)
     (staging / "mutmut-run.log").write_text(output)
-    found = statuses(staging)
-    if not any(target.owns(name) for name in found for target in targets):
+    found = {name: status for name, status in statuses(staging).items() if any(t.owns(name) for t in targets)}
+    if not found or all(status == "not checked" for status in found.values()):
         sys.exit(f"mutmut produced no results; its output is in {staging / 'mutmut-run.log'}:\n{output[-4000:]}")
-    table, survivors = report(targets, found)
-    diffs = [mutmut(staging, "show", name, check=False) for name in survivors]
-    (staging / "survivors.diff").write_text("\n".join(diffs))
-    print(table)
-    print(f"\nnot killed ({len(survivors)}), diffs in {staging / 'survivors.diff'}:")
-    for name in survivors:
-        print(f"  {name}: {found[name]}")
+    return found
 
 
 if __name__ == "__main__":

@@ -29,10 +29,13 @@ def test_docstring_examples_hold() -> None:
 
 
 class _Judge:
-    def __init__(self, reply: str | None) -> None:
-        self.reply = reply
+    def __init__(self, reply: str | None, delay: float = 0.0) -> None:
+        self.reply, self.delay = reply, delay
+        self.requests: list[dict[str, Any]] = []
 
     async def chat_completion(self, **kwargs: Any) -> Any:
+        self.requests.append(kwargs)
+        await asyncio.sleep(self.delay)
         if self.reply is None:
             raise TimeoutError("judge down")
         message = SimpleNamespace(content=self.reply)
@@ -44,6 +47,31 @@ def test_the_judge_reads_a_json_verdict_and_falls_back_to_keywords() -> None:
     assert asyncio.run(judge(_Judge('{"score": 7, "reason": "ok"}'), "q", "Paris", "Paris")) == 0.7
     assert asyncio.run(judge(_Judge("7"), "q", "Paris, France", "capital Paris")) == 0.5  # No JSON: keywords.
     assert asyncio.run(judge(_Judge(None), "q", "capital is Paris", "capital Paris")) == 1.0  # Judge down.
+
+
+def test_the_judge_is_asked_once_greedily_for_a_short_json_verdict() -> None:
+    judge = _Judge('{"score": 10}')
+    assert asyncio.run(rewards.judge_verdict(judge, "What is the capital?", "Paris", "Paris")) == 1.0
+    [request] = judge.requests
+    assert {key: request[key] for key in ("temperature", "max_tokens", "n")} == {
+        "temperature": 0.0,
+        "max_tokens": 96,
+        "n": 1,
+    }
+    system, user = request["messages"]
+    assert system == {"role": "system", "content": "You are a strict grader."}
+    assert user["role"] == "user" and user["content"] == (
+        "Grade the answer against the reference. Reply with a JSON object only: "
+        '{"score": <integer 0-10>, "reason": "<one sentence>"}.\n'
+        "Question: What is the capital?\nReference: Paris\nAnswer: Paris"
+    )
+
+
+def test_a_slow_judge_is_given_up_for_keywords(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rewards, "JUDGE_TIMEOUT_S", 0.05)
+    slow = _Judge('{"score": 0}', delay=2.0)  # It would say 0, but too late.
+    assert asyncio.run(rewards.judge_verdict(slow, "q", "capital Paris", "capital Paris")) == 1.0
+    assert rewards.keyword_overlap("anything at all", "a b") == 0.0  # No reference word to find: nothing found.
 
 
 def test_rewards_weigh_their_signals_to_six_decimals() -> None:
@@ -177,6 +205,18 @@ def test_hidden_test_files_are_the_patched_files_and_the_named_tests_at_the_base
         "t/test_c.py": None,
         "t/test_new.py": "N\n",
     }
+
+
+def test_hidden_test_files_take_nested_folders_odd_names_and_class_tests() -> None:
+    """Folders the patch needs that are not there yet, a file name with a tab (`--numstat -z` keeps it
+    whole), and a named test inside a class (its file is what comes before the first `::`)."""
+    files = {"t/unit/deep/test_a.py": "A\n", "t/test\tx.py": "A\n", "t/test_c.py": "C\n"}
+    patch = (
+        "--- a/t/unit/deep/test_a.py\n+++ b/t/unit/deep/test_a.py\n@@ -1 +1 @@\n-A\n+B\n"
+        '--- "a/t/test\\tx.py"\n+++ "b/t/test\\tx.py"\n@@ -1 +1 @@\n-A\n+B\n'
+    )
+    hidden = hidden_test_files(files, patch, ["t/test_c.py::TestC::test_c"])
+    assert hidden == {"t/test_c.py": "C\n", "t/unit/deep/test_a.py": "B\n", "t/test\tx.py": "B\n"}
 
 
 class _RecordingContext:

@@ -157,3 +157,12 @@ def test_a_failing_judge_falls_back_to_keyword_overlap(fake_openai: Any, tiny_mo
     assert asyncio.run(env._llm_judge(item, "It has 12 lines")) == pytest.approx(
         2 / 4
     )  # has, lines of notes/txt/has/lines
+
+
+def test_without_a_model_server_the_judge_is_keyword_overlap_per_item(tiny_model: Path) -> None:
+    """Under the oracle teacher a reply is graded by its overlap with the item's reference (else its answer),
+    once per (item, reply): two items given the same reply never share a grade."""
+    env = FileStatsEnv(tokenizer_name=str(tiny_model), teacher="oracle")
+    reply = "It has 12 lines"
+    assert asyncio.run(env._llm_judge({"item_id": "a", "reference": "notes.txt has 12 lines"}, reply)) == 2 / 4
+    assert asyncio.run(env._llm_judge({"item_id": "b", "answer": {"lines": 7}}, reply)) == 1.0  # Its one word: lines.

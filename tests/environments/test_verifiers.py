@@ -19,6 +19,7 @@ from flywheel.environments.custom.file_stats_env import FileStatsEnv
 from flywheel.environments.hermes_base_env import HermesAgentBaseEnv
 from flywheel.environments.long_horizon import LongHorizonEnv
 from flywheel.environments.swe_bench import SWEBenchEnv
+from flywheel.environments.tasks import tool_use_chain_tasks
 from flywheel.environments.tasks.tool_use_chain_tasks import JSON_ANSWERS
 from flywheel.environments.tool_context import live_task_ids
 from flywheel.environments.tool_use_chain import ToolUseChainEnv
@@ -276,3 +277,18 @@ def test_file_stats_rewards_the_verified_file_and_adds_the_judged_reply(tiny_mod
     assert reward("It has lines") == pytest.approx(0.8 + 0.2 * 2 / 4)  # has, lines of notes/txt/has/lines.
     assert reward("") == 0.8
     assert reward("notes.txt has 7 lines", done=False) == 0.0
+
+
+def test_a_todo_report_counts_only_its_pipe_delimited_rows() -> None:
+    """A row is `| file | line | todo |` (spaces around the pipes optional); a line without its leading pipe
+    is not a table row, and a cell keeps every character but the spaces around it."""
+    item = {"category": "todo_report", "answer": {"rows": [["src/a.py", 3, "handle empty input"]]}}
+
+    def verdict(report: str) -> bool:
+        return tool_use_chain_tasks.verify(item, lambda _path: report)
+
+    assert verdict("| file | line | todo |\n| --- | --- | --- |\n| src/a.py | 3 | handle empty input |\n")
+    assert verdict("|file|line|todo|\n|:-|-:|---|\n|src/a.py|3|handle empty input|")
+    assert not verdict("| file | line | todo |\nsrc/a.py | 3 | handle empty input\n")
+    assert not verdict("|src/a.py|3|handle empty inputX|")
+    assert not verdict("| src/a.py | 3 | handle empty input | extra |")  # Four columns: not the table asked for.

@@ -334,3 +334,14 @@ def test_lm_eval_documents_pair_by_id_and_content(store: ArtifactStore) -> None:
     lm_only = store.put("eval", "lm-eval", {"samples/arith.jsonl": _lm_eval_samples("4")}).id
     agentic = store.put("eval", "agentic", {"samples/tool_use_chain.jsonl": _jsonl(_samples({KEY: 0.5}, n=4))}).id
     assert not shares_items(store, [lm_only], [agentic]) and not shares_items(store, [agentic], [lm_only])
+
+
+def test_the_decision_names_every_reason_and_rounds_to_four_decimals() -> None:
+    primary_up, champion = _wins(30)
+    candidate = primary_up | {"env/a": {"a:0": 0.0}, "env/b": {"b:0": 0.0}, "task/arc": {"0#new": 1.0}}
+    champion |= {"env/a": {"a:0": 1.0}, "env/b": {"b:0": 1.0}, "task/arc": {"0#old": 1.0}}
+    assert decide(candidate, champion)["reason"] == (
+        "guarded metrics regressed beyond 0.05: env/a, env/b; not guarded (no shared items): task/arc"
+    )
+    one_of_three = decide(*_wins(1, n=3), GateConfig(bootstrap=300))  # 1/3 up, P(better) 215/300.
+    assert (one_of_three["primary_delta"], one_of_three["p_better"]) == (0.3333, 0.7167)

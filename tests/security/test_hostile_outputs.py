@@ -21,7 +21,7 @@ from flywheel.environments.swe_bench import SWEBenchEnv
 from flywheel.environments.tasks import tool_use_chain_tasks as tasks
 from flywheel.environments.tasks import web_tasks
 from flywheel.environments.tool_use_chain import ToolUseChainEnv
-from flywheel.environments.verify.untrusted import Unjudgeable, finite_number, load_json, load_toml
+from flywheel.environments.verify.untrusted import Unjudgeable, bounded_text, finite_number, load_json, load_toml
 from flywheel.environments.web_navigation import WebNavigationEnv
 
 DEEP = 100_000
@@ -77,6 +77,36 @@ def test_honest_answers_still_parse() -> None:
     assert load_toml('[project]\nname = "demo"\ndependencies = ["requests>=2"]\n[project.scripts]\ndemo = "d:m"\n') == {
         "project": {"name": "demo", "dependencies": ["requests>=2"], "scripts": {"demo": "d:m"}}
     }
+
+
+def test_each_bound_is_inclusive_and_a_refusal_names_its_reason() -> None:
+    """Exactly at a bound is still judged, one past it is refused; brackets inside strings (after an escaped
+    quote too, or in TOML's single-quoted strings) are no nesting."""
+    assert load_json("1234567890123456") == 1234567890123456 and load_json("-1234567890123456") == -1234567890123456
+    with pytest.raises(Unjudgeable, match="^an integer of 17 digits$"):
+        load_json("12345678901234567")
+    with pytest.raises(Unjudgeable, match="^NaN is not a JSON number$"):
+        load_json("NaN")
+    assert finite_number(10**15) == 1e15 and finite_number(-1e15) == -1e15
+    with pytest.raises(Unjudgeable, match="^a number larger than 1e15$"):
+        finite_number(10**15 + 1)
+    with pytest.raises(Unjudgeable, match="^a number that is not finite or larger than 1e15: 1000000100000000.0$"):
+        finite_number(1.0000001e15)
+    assert load_json("[" * 32 + "]" * 32) is not None
+    with pytest.raises(Unjudgeable, match="^nested deeper than 32$"):
+        load_json("[" * 33 + "]" * 33)
+    assert load_json('["\\"' + "[" * 40 + '"]') == ['"' + "[" * 40]
+    assert load_toml("a = '" + "[" * 40 + "'") == {"a": "[" * 40}
+    assert bounded_text("x" * 10, max_chars=10) == "x" * 10
+    with pytest.raises(Unjudgeable, match="^11 characters, more than 10$"):
+        bounded_text("x" * 11, max_chars=10)
+    with pytest.raises(Unjudgeable, match="^binary data"):
+        bounded_text("a\x00b")
+    assert load_toml(".".join(["k"] * 33) + " = 1")  # 32 dots.
+    with pytest.raises(Unjudgeable, match="^keys dotted deeper than 32$"):
+        load_toml(".".join(["k"] * 34) + " = 1")
+    with pytest.raises(Unjudgeable, match="^not TOML: "):
+        load_toml("[project\nname = ")
 
 
 def _rewards(env_cls: type[HermesAgentBaseEnv], tiny_model: Path, actions: Any, items: int = 1, **config: Any) -> list:
