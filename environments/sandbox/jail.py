@@ -31,6 +31,9 @@ from pathlib import Path
 
 _UID_BASE = 200_000
 _UID_COUNT = 60_000
+# Where a lease starts looking. Not the global RNG: every trainer seeds that alike, so every rank would start
+# at the same uid, and each lease would shift the trainer's RNG state.
+_LEASE_STARTS = random.SystemRandom()
 UID_LOCKS = Path("/run/flywheel/sandbox-uids")  # One pool per machine: the uid range is the machine's.
 _CLEAR_KEYRINGS = """
 import ctypes, os
@@ -60,7 +63,7 @@ class UidLease:
 
     def __init__(self, lock_dir: Path) -> None:
         lock_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        start = random.randrange(_UID_COUNT)
+        start = _LEASE_STARTS.randrange(_UID_COUNT)
         for offset in range(_UID_COUNT):
             uid = _UID_BASE + (start + offset) % _UID_COUNT
             fd = os.open(lock_dir / f"{uid}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)

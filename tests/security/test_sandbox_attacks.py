@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -417,7 +418,7 @@ def test_a_key_planted_in_the_uids_keyring_is_gone_for_the_next_holder(monkeypat
     """Keyrings belong to the uid, not to a namespace: the pool empties them when it leases the uid again."""
     from flywheel.environments.sandbox import jail
 
-    monkeypatch.setattr(jail.random, "randrange", lambda n: 12_345)  # The same first-free uid twice.
+    monkeypatch.setattr(jail._LEASE_STARTS, "randrange", lambda n: 12_345)  # The same first-free uid twice.
     first = jail.UidLease(jail.UID_LOCKS)
     uid = first.uid
     assert _as_uid(uid, _PLANT_KEY) > 0 and _as_uid(uid, _FIND_KEY) > 0  # Planted; readable by the uid.
@@ -430,11 +431,27 @@ def test_a_key_planted_in_the_uids_keyring_is_gone_for_the_next_holder(monkeypat
 
 
 @isolated
+def test_leasing_a_uid_leaves_the_global_rng_as_the_trainer_seeded_it(tmp_path: Path) -> None:
+    """Every rank seeds the global RNG alike: drawn from it, their leases would all start at one uid, and each
+    lease would shift the RNG state a step checkpoint saves (a resumed run would then differ)."""
+    from flywheel.environments.sandbox import jail
+
+    random.seed(7)
+    before = random.getstate()
+    leases = [jail.UidLease(tmp_path / "uids") for _ in range(2)]
+    try:
+        assert random.getstate() == before and leases[0].uid != leases[1].uid
+    finally:
+        for lease in leases:
+            lease.release()
+
+
+@isolated
 def test_two_sandbox_roots_never_lease_the_same_uid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The uid range is the machine's: a pool per root let B's clean-up kill A's command."""
     from flywheel.environments.sandbox import jail
 
-    monkeypatch.setattr(jail.random, "randrange", lambda n: 23_456)  # Both pools would try the same uid first.
+    monkeypatch.setattr(jail._LEASE_STARTS, "randrange", lambda n: 23_456)  # Both pools would try the same uid first.
     a = LocalSandbox("roots-a", root=tmp_path / "a")
     b = LocalSandbox("roots-b", root=tmp_path / "b")
     try:

@@ -27,8 +27,10 @@ from tests.training.test_sft import conversation
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Trains the config given as JSON and SIGKILLs itself right after step `kill_at`'s checkpoint is mirrored.
-_KILLED_RUN = """
+# Trains the config given as JSON (into the store given), and SIGKILLs itself right after step `kill_at`'s
+# checkpoint is mirrored unless `kill_at` is 0. Each run is a process of its own, as a run is in a round: a
+# test process's other threads (a log shipper, a leftover server) may draw from its global RNGs meanwhile.
+_RUN = """
 import json, os, signal, sys
 from transformers import TrainerCallback
 from flywheel.data import ArtifactStore
@@ -84,25 +86,21 @@ def test_a_sigkilled_run_continues_from_its_last_step_checkpoint(tiny_model: Pat
     rollouts come from the restored RNG, so steps 3-4 roll out what the uninterrupted run rolled out."""
     cfg = _configs(tiny_model, tmp_path)[name]
     store = ArtifactStore(tmp_path / "store")
-    killed = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_RUN, cfg.model_dump_json(), str(tmp_path / "store"), "2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
     whole = cfg.model_copy(update={"output_name": f"{name}-whole", "logs_root": str(tmp_path / "whole")})
     whole_store = ArtifactStore(tmp_path / "whole-store")
-    try:
-        run_training(whole, whole_store, **run_kwargs(whole))
-    finally:
-        _, stderr = killed.communicate(timeout=600)
-    assert killed.returncode == -9, stderr[-2000:]
+    killed, uninterrupted = _train(cfg, store, kill_at=2), _train(whole, whole_store)
+    for process, returncode in ((killed, -9), (uninterrupted, 0)):
+        _, stderr = process.communicate(timeout=600)
+        assert process.returncode == returncode, stderr[-2000:]
     assert store.manifest(step_ref(cfg)).params["step"] == 2
     assert store.try_resolve(f"checkpoint/{cfg.output_name}") is None
 
     again = cfg.model_copy(update={"logs_root": str(tmp_path / "again")})  # Another machine: nothing local.
     assert resume_key(again) == resume_key(cfg)
-    manifest = run_training(again, store, **run_kwargs(again))
-    assert manifest.metrics["steps"] == 4
+    resumed = _train(again, store)
+    _, stderr = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, stderr[-2000:]
+    assert store.manifest(store.resolve(f"checkpoint/{cfg.output_name}")).metrics["steps"] == 4
     logged = [json.loads(line) for line in _run_dir(tmp_path / "again").joinpath("metrics.jsonl").open()]
     assert [m["step"] for m in logged if "loss" in m] == [1, 2, 3, 4]  # Steps 1-2 carried over, 3-4 trained.
     fresh = cfg.model_copy(update={"learning_rate": cfg.learning_rate * 2, "logs_root": str(tmp_path / "fresh")})
@@ -112,6 +110,14 @@ def test_a_sigkilled_run_continues_from_its_last_step_checkpoint(tiny_model: Pat
         for logs, steps in (("first", (0, 1)), ("again", (2, 3))):  # Named by the steps done before them.
             assert _rollouts(tmp_path / logs, steps) == _rollouts(tmp_path / "whole", steps), logs
     _assert_same_state((store, step_ref(again)), (whole_store, step_ref(whole)), tmp_path, moved_from=tiny_model)
+
+
+def _train(cfg: TrainConfig, store: ArtifactStore, kill_at: int = 0) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _RUN, cfg.model_dump_json(), store.url, str(kill_at)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
 
 
 def _run_dir(logs_root: Path) -> Path:

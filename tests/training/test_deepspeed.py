@@ -49,10 +49,9 @@ held = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p i
 share = held / sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3: this rank's part of the weights.
 facts = {"engine": type(engine).__name__, "stage": stage, "offload": offload, "ranks": trainer.args.world_size,
          "share": round(share, 2)}
-# Each line in one write (print writes the text and its newline apart): two ranks share the pipe.
-sys.stdout.write(f"ENGINE {os.environ.get('RANK', '0')} " + json.dumps(facts) + "\\n")
-sys.stdout.write("LOSSES " + json.dumps([m["loss"] for m in run.read_metrics() if "loss" in m]) + "\\n")
-sys.stdout.flush()
+# A file per rank, not stdout: the ranks share one pipe, and a rank's prints can land mid-line in another's.
+facts["losses"] = [m["loss"] for m in run.read_metrics() if "loss" in m]  # Only rank 0 logs them.
+Path(logs, f"engine-{os.environ.get('RANK', '0')}.json").write_text(json.dumps(facts))
 """
 
 
@@ -66,10 +65,9 @@ def _run(
                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=900,
                             cwd=ROOT)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("LOSSES ", "ENGINE "))]
-    losses = [json.loads(text) for kind, text in lines if kind == "LOSSES"]
-    engines = [json.loads(text.split(" ", 1)[1]) for kind, text in lines if kind == "ENGINE"]
-    return losses[0], engines  # Only rank 0 logs losses.
+    engines = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("engine-*.json"))]
+    losses = [engine.pop("losses") for engine in engines]
+    return losses[0], engines  # Rank 0's: only rank 0 logs losses.
 
 
 def _losses(tiny_model: Path, stage: str, tmp_path: Path) -> tuple[list[float], dict]:

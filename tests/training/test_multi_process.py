@@ -127,18 +127,20 @@ started = []
 _script_generation(model, tokenizer, half_solving(started))
 cfg = DPORunConfig(envs=["file_stats"], num_tasks=4, num_rollouts_per_task=2, batch_size=2, device="cpu")
 pairs = sample_pairs(cfg, model, tokenizer, sys.argv[1])
-print("RANK " + json.dumps({"started": len(started), "pairs": [p["meta"]["item_id"] for p in pairs]}))
+# A file per rank: the two ranks' prints share one pipe and can interleave mid-line.
+facts = {"started": len(started), "pairs": [p["meta"]["item_id"] for p in pairs]}
+open(os.path.join(sys.argv[2], f"rank-{os.environ['RANK']}.json"), "w").write(json.dumps(facts))
 """
 
 
 def test_online_dpo_ranks_sample_a_share_of_the_tasks_and_train_on_every_pair(tiny_model: Path, tmp_path: Path) -> None:
     script = tmp_path / "sample.py"
     script.write_text(_SAMPLE)
-    command = [*launcher(DPORunConfig(), 2), str(script), str(tiny_model)]
+    command = [*launcher(DPORunConfig(), 2), str(script), str(tiny_model), str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.loads(line[5:]) for line in done.stdout.splitlines() if line.startswith("RANK ")]
+    ranks = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
     assert [rank["started"] for rank in ranks] == [4, 4]  # Two of the four tasks each, two rollouts a task.
     assert ranks[0]["pairs"] == ranks[1]["pairs"]  # One dataset, so the ranks take the same number of steps.
     assert len(set(ranks[0]["pairs"])) == 4  # A pair from every task, none twice.
