@@ -3,6 +3,7 @@ envs' verifiers: how many mutants the tests kill, per module.
 
 .venv/bin/python scripts/mutation_pass.py                       # every module (hours on 2 cores: docs/testing.md)
 .venv/bin/python scripts/mutation_pass.py --only data/refs.py   # one module (repeat --only for more)
+.venv/bin/python scripts/mutation_pass.py --sample 30           # 30 mutants a module, drawn at random
 
 mutmut names a module by its file's path below `src/`, while this repository's folders (`data/`,
 `environments/`, ...) are imported as `flywheel.data`, `flywheel.environments`, ... (pyproject.toml's
@@ -22,6 +23,7 @@ import argparse
 import ast
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -36,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("data", "environments", "evaluation", "flows", "inference", "training")
 MUTMUT = Path(sys.executable).parent / "mutmut"
+SAMPLE_SEED = 0  # `--sample` draws the same mutants from the same code.
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ HELPER_TESTS = (
 # The verifiers proper: every env's oracle, cheats and attacks, the hidden checks and SWE-bench instances.
 VERIFIER_TESTS = (
     "tests/environments/test_verifiers.py",
+    "tests/environments/test_function_calling.py",
+    "tests/security/test_function_calling_attacks.py",
     "tests/environments/test_verify_calls.py",
     "tests/environments/test_rewards_and_instances.py",
     "tests/security/test_hostile_outputs.py",
@@ -99,6 +104,7 @@ TARGETS = (  # Grouped by test list (one staging folder each), the long-running 
     Target("environments/verify/hidden_tests.py", None, VERIFIER_TESTS),
     Target("environments/tasks/tool_use_chain_tasks.py", ("verify", "_verify_one", "_table_rows"), VERIFIER_TESTS),
     Target("environments/tasks/web_tasks.py", ("verify",), VERIFIER_TESTS),
+    Target("environments/task_env.py", ("TaskEnv.compute_reward",), VERIFIER_TESTS),  # The task envs' reward.
     Target("environments/tasks/long_horizon_tasks.py", ("pyproject_ok", "readme_ok"), VERIFIER_TESTS),
     Target(
         "environments/long_horizon.py",
@@ -121,6 +127,20 @@ TARGETS = (  # Grouped by test list (one staging folder each), the long-running 
     Target("environments/tasks/swe_tasks.py", ("make_task",), VERIFIER_TESTS),
     Target(
         "environments/custom/file_stats_env.py", ("FileStatsEnv.verify", "FileStatsEnv.compute_reward"), VERIFIER_TESTS
+    ),
+    Target(
+        "environments/tasks/function_calling_tasks.py",
+        (
+            "verify",
+            "_agent_calls",
+            "_arguments",
+            "_unique_keys",
+            "_check_numbers",
+            "_final_text",
+            "_same_object",
+            "_same_value",
+        ),
+        VERIFIER_TESTS,
     ),
 )
 # Folders the tests import beside `flywheel` (the curriculum's tests run `benchmarks.curriculum_ablation`).
@@ -235,26 +255,34 @@ def statuses(staging: Path) -> dict[str, str]:
 
 
 def report(targets: list[Target], found: dict[str, str]) -> tuple[str, list[str]]:
-    """A markdown table per module (mutants, killed, survived, timeout, no tests, kill %) and the survivors."""
+    """A markdown table per module (mutants run, of how many, killed, survived, timeout, no tests, kill %)
+    and the mutants not killed."""
     rows = ["| module | mutants | killed | survived | timeout | no tests | other | killed % |", "|---" * 8 + "|"]
     survivors, total = [], Counter()
     for target in targets:
-        mine = {name: status for name, status in found.items() if target.owns(name) and status != "not checked"}
+        every = [name for name in found if target.owns(name)]
+        mine = {name: found[name] for name in every if found[name] != "not checked"}
         counts = Counter(mine.values())
         other = len(mine) - sum(counts[s] for s in ("killed", "survived", "timeout", "no tests"))
         total.update(counts)
         total["mutants"] += len(mine)
+        total["generated"] += len(every)
         rows.append(
-            f"| {target.path} | {len(mine)} | {counts['killed']} | {counts['survived']} | {counts['timeout']} | "
-            f"{counts['no tests']} | {other} | {_percent(counts['killed'], len(mine))} |"
+            f"| {target.path} | {_of(len(mine), len(every))} | {counts['killed']} | {counts['survived']} | "
+            f"{counts['timeout']} | {counts['no tests']} | {other} | {_percent(counts['killed'], len(mine))} |"
         )
         survivors += sorted(name for name, status in mine.items() if status != "killed")
     other = total["mutants"] - sum(total[s] for s in ("killed", "survived", "timeout", "no tests"))
     rows.append(
-        f"| **all** | {total['mutants']} | {total['killed']} | {total['survived']} | {total['timeout']} | "
-        f"{total['no tests']} | {other} | {_percent(total['killed'], total['mutants'])} |"
+        f"| **all** | {_of(total['mutants'], total['generated'])} | {total['killed']} | {total['survived']} | "
+        f"{total['timeout']} | {total['no tests']} | {other} | {_percent(total['killed'], total['mutants'])} |"
     )
     return "\n".join(rows), survivors
+
+
+def _of(run: int, generated: int) -> str:
+    """`run` mutants, and of how many (when a sample ran)."""
+    return str(run) if run == generated else f"{run} of {generated}"
 
 
 def _percent(part: int, whole: int) -> str:
@@ -266,6 +294,7 @@ def main() -> None:
     parser.add_argument("--only", action="append", metavar="PATH", help="a module of TARGETS (repeatable)")
     parser.add_argument("--staging", type=Path, help="an empty or missing folder (default: a new one in /tmp)")
     parser.add_argument("--max-children", type=int, default=1, help="mutants run at once (default 1)")
+    parser.add_argument("--sample", type=int, help="run only this many mutants of each module, drawn at random")
     args = parser.parse_args()
     known = {target.path: target for target in TARGETS}
     unknown = sorted(set(args.only or ()) - set(known))
@@ -287,7 +316,7 @@ def main() -> None:
         folder = staging / f"group-{number}"
         stage(folder, group)
         print(f"{', '.join(t.path for t in group)}: {folder}", flush=True)
-        done = run(folder, group, args.max_children)
+        done = run(folder, group, args.max_children, args.sample)
         found |= done
         home |= dict.fromkeys(done, folder)
         print(f"  done at {time.monotonic() - started:.0f} s", flush=True)
@@ -300,9 +329,19 @@ def main() -> None:
     print(f"\ntook {time.monotonic() - started:.0f} s")
 
 
-def run(staging: Path, targets: list[Target], max_children: int) -> dict[str, str]:
-    """Run mutmut in a staged folder on the targets' mutants; their statuses."""
+def run(staging: Path, targets: list[Target], max_children: int, sample: int | None = None) -> dict[str, str]:
+    """Run mutmut in a staged folder on the targets' mutants (if `sample`, that many of each target's, drawn
+    with a fixed seed); every mutant's status ("not checked": not drawn)."""
     patterns = [pattern for target in targets for pattern in target.patterns()]
+    if sample:
+        # A name no mutant has: mutmut generates the mutants and times the tests, then stops.
+        mutmut(staging, "run", "--max-children", str(max_children), "flywheel.no-such-mutant", check=False)
+        every = statuses(staging)
+        draw = random.Random(SAMPLE_SEED)
+        patterns = []
+        for target in targets:
+            mine = sorted(name for name in every if target.owns(name))
+            patterns += draw.sample(mine, min(sample, len(mine)))
     # mutmut's exit status is not the verdict (it is 0 with survivors): the statuses below are.
     output = mutmut(staging, "run", "--max-children", str(max_children), *patterns, check=False)
     (staging / "mutmut-run.log").write_text(output)
