@@ -4,6 +4,7 @@ take more model calls, and an item whose oracle is longer than the budget gets i
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 from pathlib import Path
 
@@ -30,14 +31,15 @@ def test_every_easy_slice_fits_the_default_budget_and_difficulty_grows_the_horiz
             assert grows, f"{env} {category}: {easy}, {medium}, {hard} turns"
 
 
-def test_every_easy_oracle_reply_fits_the_default_reply_budget(tiny_model: Path) -> None:
-    """A student imitates the oracle reply by reply: none may be longer than the tokens a reply gets."""
+def test_every_oracle_reply_fits_the_default_reply_budget(tiny_model: Path) -> None:
+    """A student imitates the oracle reply by reply: none may be longer than the tokens a reply gets (the
+    longest: function_calling's hard parallel calls, ~245 tokens)."""
     tokens = profile("default").max_token_length
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)  # SmolLM2's.
     parser = get_parser("hermes")
-    for env in TASK_FAMILIES:
+    for env, difficulty in itertools.product(TASK_FAMILIES, DIFFICULTIES):
         cls = env_class(env)
-        mix = {f"{c}/{d}": float(d == "easy") for c in cls.categories for d in DIFFICULTIES}
+        mix = {f"{c}/{d}": float(d == difficulty) for c in cls.categories for d in DIFFICULTIES}
         for item in TaskStream(env, cls.make_task, tuple(cls.categories), seed=0, mix=mix).items(12):
             for action in item["oracle"]:
                 calls = action.get("calls") or [action]
