@@ -247,7 +247,8 @@ def read_s3_object(fs: Any, bucket: str, key: str, label: str, limit: int = _MAX
         raise ArtifactNotFound(f"{label} is missing") from err
     if response.get("ContentLength", 0) > limit:
         _read_body(fs, response["Body"], 0)
-        raise CorruptBlobError(f"{label} is corrupted: {response['ContentLength']} bytes, more than any valid one")
+        size = response["ContentLength"]
+        raise CorruptBlobError(f"{label} is corrupted: {size} bytes, more than any valid one ({limit})")
     return _read_body(fs, response["Body"], limit + 1), response["ETag"]
 
 

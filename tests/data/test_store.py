@@ -16,6 +16,7 @@ from botocore.exceptions import ClientError
 
 from flywheel.data import ArtifactNotFound, ArtifactStore, CorruptBlobError, RefConflict, StoreError, lineage
 from flywheel.data.manifest import FileEntry, Manifest, check_kind, check_relpaths
+from flywheel.data.refs import update_ref
 
 
 @pytest.fixture
@@ -90,6 +91,18 @@ def test_compare_and_swap_refuses_stale_expectation(store: ArtifactStore) -> Non
     with pytest.raises(RefConflict):
         store.set_ref("champion", a.id, expected=a.id)  # Stale: it now points at b.
     assert store.resolve("champion") == b.id
+
+
+def test_a_refused_move_names_the_current_and_the_expected_target(store: ArtifactStore) -> None:
+    a, b = store.put("model", "m", {"w": b"a"}), store.put("model", "m", {"w": b"b"})
+    with pytest.raises(RefConflict, match=f"^ref 'champion' points to nothing, not the expected {a.id}$"):
+        store.set_ref("champion", b.id, expected=a.id)
+    store.set_ref("champion", a.id, expected=None)
+    with pytest.raises(RefConflict, match=f"^ref 'champion' points to {a.id}, not the expected nothing$"):
+        store.set_ref("champion", b.id, expected=None)
+    with pytest.raises(RefConflict, match=f"^ref 'champion' points to {a.id}, not the expected a matching target$"):
+        update_ref(store._refs, "champion", b.id, lambda current: current == b.id)
+    assert store.resolve("champion") == a.id
 
 
 _MOVER = textwrap.dedent(

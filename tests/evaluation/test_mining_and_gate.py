@@ -179,7 +179,13 @@ def test_gate_moves_the_champion_ref_and_records_the_decision(store: ArtifactSto
     base = {("tool_use_chain", "todo_report", "easy"): 0.3}
     e1 = store.put("eval", "agentic", {"samples/tool_use_chain.jsonl": _jsonl(_samples(base, n=60))})
     first = gate(store, [e1.id], weak.id)
-    assert store.resolve("champion") == weak.id and store.read_json(first.id, "decision.json")["promote"]
+    assert store.resolve("champion") == weak.id and store.read_json(first.id, "decision.json") == {
+        "promote": True,
+        "reason": "no champion yet: the first candidate becomes champion",
+        "candidate": weak.id,
+        "candidate_evals": [e1.id],
+        "champion_before": None,
+    }
     e2 = store.put(
         "eval",
         "agentic",
@@ -194,6 +200,7 @@ def test_gate_moves_the_champion_ref_and_records_the_decision(store: ArtifactSto
     e3 = store.put("eval", "agentic", {"samples/tool_use_chain.jsonl": _jsonl(_samples(base, n=60, seed=4))})
     third = gate(store, [e3.id], weak.id)
     assert not store.read_json(third.id, "decision.json")["promote"] and store.resolve("champion") == strong.id
+    assert [m.metrics for m in (first, second, third)] == [{"promote": True}, {"promote": True}, {"promote": False}]
 
 
 def test_a_champion_moved_while_the_gate_ran_leaves_no_claimed_promotion(store: ArtifactStore, monkeypatch) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.data import ArtifactNotFound, ArtifactStore, CorruptBlobError, Manifest, StoreError
-from flywheel.data.refs import update_ref
+from flywheel.data.refs import read_local_object, read_s3_object, update_ref
 
 PART = 8 * 1024 * 1024
 BIG = 2 * PART + 4096  # Three S3 parts once `_multipart` lowers the store's thresholds.
@@ -168,6 +168,10 @@ def test_file_changing_during_put_is_refused_and_nothing_corrupt_is_stored(
 # -- unreadable objects: one line each, no crash, no hang -----------------------------------------
 
 
+def _ref_with_history(history: object) -> bytes:
+    return json.dumps({"target": "0" * 64, "history": history}).encode()
+
+
 def _truncate_ref(store: ArtifactStore, path: str) -> None:
     store.fs.pipe_file(path, store.fs.cat_file(path)[:25])
 
@@ -179,6 +183,8 @@ def _truncate_ref(store: ArtifactStore, path: str) -> None:
         pytest.param(lambda s, p: s.fs.pipe_file(p, json.dumps({"history": []}).encode()), id="no-target"),
         pytest.param(lambda s, p: s.fs.pipe_file(p, b"\x00\xffnot json at all"), id="not-json"),
         pytest.param(lambda s, p: s.fs.pipe_file(p, b'{"target": "../../x", "history": []}'), id="target-not-an-id"),
+        pytest.param(lambda s, p: s.fs.pipe_file(p, _ref_with_history(5)), id="history-not-a-list"),
+        pytest.param(lambda s, p: s.fs.pipe_file(p, _ref_with_history([1])), id="history-not-moves"),
     ],
 )
 def test_bad_ref_is_one_line_in_ls_verify_get_and_loses_nothing(store: ArtifactStore, tmp_path: Path, damage) -> None:
@@ -198,6 +204,18 @@ def test_bad_ref_is_one_line_in_ls_verify_get_and_loses_nothing(store: ArtifactS
     assert len(problems) == 1 and "ref 'dataset/hit'" in problems[0] and "\n" not in problems[0]
     assert store.read_bytes("dataset/kept", "k") == b"keep" and store.resolve("dataset/kept") == kept.id
     assert len(store.list()) == 2
+
+
+def test_an_object_over_its_limit_is_refused_before_its_body_is_read(store: ArtifactStore) -> None:
+    """A ref or manifest larger than any valid one is corrupt: on either backend, one line, nothing read."""
+    store.put("dataset", "big", {"b": b"b"})
+    path = f"{store.root}/refs/dataset/big.json"
+    store.fs.pipe_file(path, b"x" * 11)
+    with pytest.raises(CorruptBlobError, match=r"^ref 'big' is corrupted: 11 bytes, more than any valid one \(10\)$"):
+        if store.url.startswith("s3://"):
+            read_s3_object(store.fs, *path.split("/", 1), "ref 'big'", limit=10)
+        else:
+            read_local_object(Path(path), "ref 'big'", limit=10)
 
 
 def _blob_file(store: ArtifactStore, manifest: Manifest) -> Path:
