@@ -166,3 +166,4 @@ def test_without_a_model_server_the_judge_is_keyword_overlap_per_item(tiny_model
     reply = "It has 12 lines"
     assert asyncio.run(env._llm_judge({"item_id": "a", "reference": "notes.txt has 12 lines"}, reply)) == 2 / 4
     assert asyncio.run(env._llm_judge({"item_id": "b", "answer": {"lines": 7}}, reply)) == 1.0  # Its one word: lines.
+    assert asyncio.run(env._llm_judge({"item_id": "c"}, "XXXX")) == 0.0  # No reference: no word to find.

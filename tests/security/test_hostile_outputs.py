@@ -103,6 +103,7 @@ def test_each_bound_is_inclusive_and_a_refusal_names_its_reason() -> None:
     with pytest.raises(Unjudgeable, match="^binary data"):
         bounded_text("a\x00b")
     assert load_toml(".".join(["k"] * 33) + " = 1")  # 32 dots.
+    assert load_toml('v="' + "." * 40 + '"') == {"v": "." * 40}  # Dots in a value are no key depth.
     with pytest.raises(Unjudgeable, match="^keys dotted deeper than 32$"):
         load_toml(".".join(["k"] * 34) + " = 1")
     with pytest.raises(Unjudgeable, match="^not TOML: "):
