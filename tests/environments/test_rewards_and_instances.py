@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from flywheel.environments.agent.policies import ScriptedPolicy, call, do_nothing, final
+from flywheel.environments.agent_loop import AgentResult, ToolError
 from flywheel.environments.swe_bench import (
     SWEBenchEnv,
     _is_test,
@@ -21,6 +22,7 @@ from flywheel.environments.swe_bench import (
     restore_test_files,
 )
 from flywheel.environments.verify import rewards
+from flywheel.environments.verify.scoring import RewardError, RolloutScoring
 
 
 def test_docstring_examples_hold() -> None:
@@ -273,3 +275,44 @@ def test_swe_instances_held_out_for_evaluation_are_never_trained_on(tiny_model: 
     asyncio.run(env.setup())
     with pytest.raises(ValueError, match="eval_size"):  # Nothing left to train on: say so, never reuse eval.
         asyncio.run(env.get_next_item())
+
+
+class _Scored(RolloutScoring):
+    """The scoring mixin alone: a verifier that raises on the agent's output, and a chosen reward."""
+
+    name, key_decisions, reward_range = "scored", ("read_file", "write_file", "search"), (0.0, 1.0)
+
+    def __init__(self, reward: float) -> None:
+        self.reward = reward
+
+    async def verify(self, item: dict[str, Any], result: AgentResult, ctx: Any) -> bool:
+        raise ValueError("the agent's file broke me")
+
+    async def compute_reward(self, item: dict[str, Any], result: AgentResult, ctx: Any) -> float:
+        return self.reward
+
+
+def _tool_turn(name: str) -> dict[str, Any]:
+    return {"role": "assistant", "tool_calls": [{"function": {"name": name, "arguments": "{}"}}]}
+
+
+def test_key_decisions_count_each_tool_once_it_ran_without_an_error() -> None:
+    """Turns are the assistant messages (tool results between them are none): write_file failed at turn 0,
+    read_file ran at turn 1, so one of the three decisions was made."""
+    messages = [{"role": "user", "content": "go"}, _tool_turn("write_file"), {"role": "tool", "content": "error"}]
+    messages += [_tool_turn("read_file"), {"role": "tool", "content": "ok"}]
+    result = AgentResult(messages=messages, tool_errors=[ToolError(0, "write_file", {}, "denied")])
+    assert _Scored(1.0).key_decisions_made({}, result) == pytest.approx(1 / 3)
+    messages += [_tool_turn("write_file")]  # Turn 2: now it ran.
+    assert _Scored(1.0).key_decisions_made({}, result) == pytest.approx(2 / 3)
+
+
+def test_each_verifier_error_is_a_failed_task_counted_once() -> None:
+    env = _Scored(0.5)
+    for _ in range(2):
+        result = AgentResult(messages=[])
+        assert asyncio.run(env.score_rollout({"item_id": "a"}, result, None)) == 0.5
+        assert result.task_completed is False and result.verify_error == "ValueError: the agent's file broke me"
+    assert env.verifier_errors == 2
+    with pytest.raises(RewardError, match=r"^scored: compute_reward returned nan for item a$"):
+        asyncio.run(_Scored(float("nan")).score_rollout({"item_id": "a"}, AgentResult(messages=[]), None))

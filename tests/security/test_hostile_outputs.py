@@ -100,10 +100,12 @@ def test_each_bound_is_inclusive_and_a_refusal_names_its_reason() -> None:
     assert bounded_text("x" * 10, max_chars=10) == "x" * 10
     with pytest.raises(Unjudgeable, match="^11 characters, more than 10$"):
         bounded_text("x" * 11, max_chars=10)
-    with pytest.raises(Unjudgeable, match="^binary data"):
+    with pytest.raises(Unjudgeable, match=r"^binary data \(a NUL character\)$"):
         bounded_text("a\x00b")
     assert load_toml(".".join(["k"] * 33) + " = 1")  # 32 dots.
     assert load_toml('v="' + "." * 40 + '"') == {"v": "." * 40}  # Dots in a value are no key depth.
+    with pytest.raises(Unjudgeable, match="^nested deeper than 32$"):
+        load_toml("X = " + "[" * 33 + "]" * 33)  # Only quotes open a string.
     with pytest.raises(Unjudgeable, match="^keys dotted deeper than 32$"):
         load_toml(".".join(["k"] * 34) + " = 1")
     with pytest.raises(Unjudgeable, match="^not TOML: "):
