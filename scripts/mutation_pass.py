@@ -4,6 +4,7 @@ envs' verifiers: how many mutants the tests kill, per module.
 .venv/bin/python scripts/mutation_pass.py                       # every module (hours on 2 cores: docs/testing.md)
 .venv/bin/python scripts/mutation_pass.py --only data/refs.py   # one module (repeat --only for more)
 .venv/bin/python scripts/mutation_pass.py --sample 30           # 30 mutants a module, drawn at random
+.venv/bin/python scripts/mutation_pass.py --staging DIR --again # rerun what DIR's pass did not catch
 
 mutmut names a module by its file's path below `src/`, while this repository's folders (`data/`,
 `environments/`, ...) are imported as `flywheel.data`, `flywheel.environments`, ... (pyproject.toml's
@@ -32,6 +33,7 @@ import tempfile
 import time
 import tomllib
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -297,6 +299,7 @@ def main() -> None:
     parser.add_argument("--staging", type=Path, help="an empty or missing folder (default: a new one in /tmp)")
     parser.add_argument("--max-children", type=int, default=1, help="mutants run at once (default 1)")
     parser.add_argument("--sample", type=int, help="run only this many mutants of each module, drawn at random")
+    parser.add_argument("--again", action="store_true", help="rerun what the pass in --staging did not catch")
     args = parser.parse_args()
     known = {target.path: target for target in TARGETS}
     unknown = sorted(set(args.only or ()) - set(known))
@@ -305,37 +308,66 @@ def main() -> None:
     targets = [known[path] for path in args.only] if args.only else list(TARGETS)
     if missing := check_functions(targets):
         parser.error(f"TARGETS lists functions that are not there: {', '.join(missing)}")
+    if args.again and not args.staging:
+        parser.error("--again needs the --staging folder of a finished pass")
     staging = args.staging or Path(tempfile.mkdtemp(prefix="flywheel-mutation-"))
-    if staging.exists() and any(staging.iterdir()):
+    if not args.again and staging.exists() and any(staging.iterdir()):
         parser.error(f"{staging} is not empty")
     started = time.monotonic()
-    groups: dict[tuple[str, ...], list[Target]] = {}
-    for target in targets:
-        groups.setdefault(target.tests, []).append(target)
     found: dict[str, str] = {}
     home: dict[str, Path] = {}  # Each mutant's staging folder.
-    for number, group in enumerate(groups.values(), start=1):
-        folder = staging / f"group-{number}"
-        stage(folder, group)
+    for folder, group in rerun(staging) if args.again else fresh(staging, targets):
         print(f"{', '.join(t.path for t in group)}: {folder}", flush=True)
-        done = run(folder, group, args.max_children, args.sample)
+        done = run(folder, group, args.max_children, args.sample, again=args.again)
         found |= done
         home |= dict.fromkeys(done, folder)
         print(f"  done at {time.monotonic() - started:.0f} s", flush=True)
+    targets = [target for target in targets if any(target.owns(name) for name in found)]
     table, survivors = report(targets, found)
     diffs = [mutmut(home[name], "show", name, check=False) for name in survivors]
     (staging / "survivors.diff").write_text("\n".join(diffs))
-    print(f"\n{table}\n\nnot killed ({len(survivors)}), diffs in {staging / 'survivors.diff'}:")
+    print(f"\n{table}\n\nnot caught ({len(survivors)}), diffs in {staging / 'survivors.diff'}:")
     for name in survivors:
         print(f"  {name}: {found[name]}")
     print(f"\ntook {time.monotonic() - started:.0f} s")
 
 
-def run(staging: Path, targets: list[Target], max_children: int, sample: int | None = None) -> dict[str, str]:
+def fresh(staging: Path, targets: list[Target]) -> Iterator[tuple[Path, list[Target]]]:
+    """A staging folder per list of tests, with the targets that share it."""
+    groups: dict[tuple[str, ...], list[Target]] = {}
+    for target in targets:
+        groups.setdefault(target.tests, []).append(target)
+    for number, group in enumerate(groups.values(), start=1):
+        folder = staging / f"group-{number}"
+        stage(folder, group)
+        yield folder, group
+
+
+def rerun(staging: Path) -> Iterator[tuple[Path, list[Target]]]:
+    """A finished pass's staging folders with the checkout's tests copied in again; refused where the code of
+    a mutated module changed since (its mutants would no longer be the code's)."""
+    for folder in sorted(staging.glob("group-*")):
+        found = statuses(folder)
+        group = [target for target in TARGETS if any(target.owns(name) for name in found)]
+        changed = [
+            t.path for t in group if (folder / "src/flywheel" / t.path).read_bytes() != (ROOT / t.path).read_bytes()
+        ]
+        if changed:
+            sys.exit(f"{folder}: {', '.join(changed)} changed since the pass: run it afresh (--only)")
+        shutil.copytree(ROOT / "tests", folder / "tests", dirs_exist_ok=True)
+        yield folder, group
+
+
+def run(
+    staging: Path, targets: list[Target], max_children: int, sample: int | None = None, again: bool = False
+) -> dict[str, str]:
     """Run mutmut in a staged folder on the targets' mutants (if `sample`, that many of each target's, drawn
-    with a fixed seed); every mutant's status ("not checked": not drawn)."""
+    with a fixed seed; if `again`, those it ran and did not catch); every mutant's status ("not checked": not
+    drawn)."""
     patterns = [pattern for target in targets for pattern in target.patterns()]
-    if sample:
+    if again:
+        patterns = [name for name, status in statuses(staging).items() if status not in (*CAUGHT, "not checked")]
+    elif sample:
         # A name no mutant has: mutmut generates the mutants and times the tests, then stops.
         mutmut(staging, "run", "--max-children", str(max_children), "flywheel.no-such-mutant", check=False)
         every = statuses(staging)
@@ -345,8 +377,8 @@ def run(staging: Path, targets: list[Target], max_children: int, sample: int | N
             mine = sorted(name for name in every if target.owns(name))
             patterns += draw.sample(mine, min(sample, len(mine)))
     # mutmut's exit status is not the verdict (it is 0 with survivors): the statuses below are.
-    output = mutmut(staging, "run", "--max-children", str(max_children), *patterns, check=False)
-    (staging / "mutmut-run.log").write_text(output)
+    output = mutmut(staging, "run", "--max-children", str(max_children), *patterns, check=False) if patterns else ""
+    (staging / ("mutmut-again.log" if again else "mutmut-run.log")).write_text(output)
     found = {name: status for name, status in statuses(staging).items() if any(t.owns(name) for t in targets)}
     if not found or all(status == "not checked" for status in found.values()):
         sys.exit(f"mutmut produced no results; its output is in {staging / 'mutmut-run.log'}:\n{output[-4000:]}")
