@@ -25,6 +25,7 @@ from flywheel.environments.registry import ENVIRONMENTS, env_class, teacher_turn
 from flywheel.environments.task_stream import DIFFICULTIES, TaskStream
 from flywheel.environments.tasks import function_calling_tasks as tasks
 from flywheel.environments.tool_call_parsers import get_parser
+from flywheel.environments.verify.untrusted import Unjudgeable
 from flywheel.evaluation.suite import TOOLS, suite_items
 
 Item = dict[str, Any]
@@ -406,3 +407,10 @@ def test_a_process_group_is_tokenised_with_the_functions_in_the_prompt(
     calls = item["answer"]["calls"]
     assert all(c["name"] in trained for c in calls) and "Done." in trained  # The replies: trained on.
     assert item["request"] in untrained and '"status": "ok"' in untrained  # The prompt and tool results: not.
+
+
+def test_every_number_in_the_arguments_is_bounded_however_deep() -> None:
+    tasks._check_numbers({"a": [1, {"b": [2.5, True]}], "c": "1e400"})  # Bounded numbers, a bool, a string.
+    for hostile in ({"a": [1, [10**16]]}, {"a": {"b": [float("nan")]}}, [float("inf")]):
+        with pytest.raises(Unjudgeable):
+            tasks._check_numbers(hostile)

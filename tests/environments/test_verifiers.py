@@ -9,6 +9,7 @@ import json
 import random
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -277,6 +278,23 @@ def test_file_stats_rewards_the_verified_file_and_adds_the_judged_reply(tiny_mod
     assert reward("It has lines") == pytest.approx(0.8 + 0.2 * 2 / 4)  # has, lines of notes/txt/has/lines.
     assert reward("") == 0.8
     assert reward("notes.txt has 7 lines", done=False) == 0.0
+    # Called directly (no verdict yet), it verifies the file first: the item's answer against the sandbox's.
+    for written, expected in (("7\n", 0.8), ("6\n", 0.0)):
+        ctx = SimpleNamespace(read_file=lambda path, text=written: text if path == "answer.txt" else "")
+        result = AgentResult([{"role": "assistant", "content": ""}])
+        assert asyncio.run(env.compute_reward(item, result, ctx)) == expected  # type: ignore[arg-type]
+
+
+def test_a_csv_summary_is_right_to_a_cent_and_a_tenth() -> None:
+    """Totals within 0.011 of the truth pass (the CSV's cents, rounded either way), 0.012 off does not."""
+    path, key = JSON_ANSWERS["csv_summary"]
+    item = {"category": "csv_summary", "answer": {key: {"total": 0.0, "mean": 2.5}}}
+
+    def verdict(totals: dict[str, float]) -> bool:
+        return tool_use_chain_tasks.verify(item, lambda name: json.dumps(totals) if name == path else "")
+
+    assert verdict({"total": 0.011, "mean": 2.49})
+    assert not verdict({"total": 0.012, "mean": 2.5}) and not verdict({"total": 0.0})
 
 
 def test_a_todo_report_counts_only_its_pipe_delimited_rows() -> None:

@@ -4,6 +4,9 @@ code and catch its bug, and the comparison is on plain data with exact types."""
 from __future__ import annotations
 
 import inspect
+import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -164,3 +167,18 @@ def test_long_horizon_tests_earn_credit_only_when_they_pin_the_function(tests: s
         assert _tests_pin_the_function(ctx, answer, verify_dir) is (tests == "honest" and committed == "right")
     finally:
         ctx.cleanup()
+
+
+@pytest.mark.parametrize("difficulty", ["easy", "hard"])
+def test_a_generated_swe_task_ships_passing_visible_tests(tmp_path: Path, difficulty: str) -> None:
+    """The visible tests the agent may run pass on the buggy package (they cover only the correct functions);
+    a hard task spreads its functions over two modules, so the agent has to find the right one."""
+    task = swe_tasks.make_task(random.Random(3), "off_by_one", difficulty)
+    for path, text in task["files"].items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_visible.py"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-2000:]
+    modules = {Path(path).name for path in task["files"] if path.startswith(task["answer"]["package"] + "/")}
+    assert modules == ({"__init__.py", "core.py", "extra.py"} if difficulty == "hard" else {"__init__.py", "core.py"})
