@@ -103,6 +103,8 @@ def test_the_oracle_solves_every_slice_in_one_reply(env: FunctionCallingEnv, ite
         assert len(replies) == expected_turns and len(made) == len(item["answer"]["calls"])
         assert result.tool_errors == [] and result.verify_error is None
         assert all(m["content"] == '{"status": "ok"}' for m in result.messages if m["role"] == "tool")
+        unjudged = AgentResult(result.messages, turns_used=result.turns_used)  # Called directly, it verifies first.
+        assert asyncio.run(env.compute_reward(item, unjudged, None)) == reward and unjudged.task_completed
 
 
 def test_the_calls_made_one_per_reply_pass_too(env: FunctionCallingEnv, items: list[Item]) -> None:

@@ -33,7 +33,8 @@ ENVS = [ToolUseChainEnv, WebNavigationEnv, SWEBenchEnv, LongHorizonEnv, FileStat
 def _outcomes(
     env_cls: type[HermesAgentBaseEnv], tiny_model: Path, items: int | list[int], policy: Actions | None
 ) -> list[tuple[float, bool | None]]:
-    """Each item's (reward, task_completed) under the oracle or `policy`."""
+    """Each item's (reward, task_completed) under the oracle or `policy`. The oracle's demonstrations are
+    SFT data: not one of their tool calls may fail."""
     env = env_cls(tokenizer_name=str(tiny_model), teacher="oracle")
     if policy is not None:
         env.oracle_policy = lambda item: ScriptedPolicy(policy(item))  # type: ignore[method-assign]
@@ -46,6 +47,7 @@ def _outcomes(
             async with semaphore:
                 result, reward = await env.run_agent(env.stream.item(index), 0.0)
             assert reward is not None, result.infra_error
+            assert policy is not None or result.tool_errors == [], (index, result.tool_errors)
             return reward, result.task_completed
 
         try:

@@ -182,3 +182,15 @@ def test_a_generated_swe_task_ships_passing_visible_tests(tmp_path: Path, diffic
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-2000:]
     modules = {Path(path).name for path in task["files"] if path.startswith(task["answer"]["package"] + "/")}
     assert modules == ({"__init__.py", "core.py", "extra.py"} if difficulty == "hard" else {"__init__.py", "core.py"})
+    assert all(path in task["oracle"][-1]["final"] for path in task["answer"]["buggy_files"])  # It says what it fixed.
+
+
+def test_a_pyproject_names_the_project_its_dependencies_and_its_cli() -> None:
+    answer = {"name": "tally", "deps": ["requests>=2.0", "click==8.1"], "required": ["tally/cli.py"]}
+    bare = '[project]\nname = "tally"\ndependencies = ["requests", "click"]\n'
+    good = bare + '[project.scripts]\ntally = "tally.cli:main"\n'
+    assert long_horizon_tasks.pyproject_ok(good, answer)  # Any version of each dependency.
+    assert not long_horizon_tasks.pyproject_ok(good.replace('"click"', '"clack"'), answer)
+    assert not long_horizon_tasks.pyproject_ok(bare, answer)  # A project with a cli.py needs its script.
+    assert not long_horizon_tasks.pyproject_ok(good.replace('name = "tally"', 'name = "other"'), answer)
+    assert long_horizon_tasks.pyproject_ok(bare, {**answer, "required": ["tally/core.py"]})
