@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +15,7 @@ from flywheel.environments.agent.policies import ScriptedPolicy, call, final
 from flywheel.environments.hermes_base_env import HermesAgentBaseEnv
 from flywheel.environments.long_horizon import LongHorizonEnv
 from flywheel.environments.swe_bench import SWEBenchEnv
-from flywheel.environments.tasks import web_tasks
+from flywheel.environments.tasks import long_horizon_tasks, web_tasks
 from flywheel.environments.verify.hidden_tests import parse_junit
 from flywheel.environments.web.site import Product, catalog
 from flywheel.environments.web_navigation import WebNavigationEnv
@@ -145,6 +146,20 @@ def test_long_horizon_always_equal_function_and_empty_tests_earn_only_the_honest
     gutted = _rewards(LongHorizonEnv, tiny_model, project("def {function}(*a, **k):\n    return None\n"))
     oracle = _rewards(LongHorizonEnv, tiny_model, lambda item: item["oracle"])
     assert hack == gutted and all(h < o for h, o in zip(hack, oracle, strict=True))
+
+
+def test_long_horizon_core_committed_as_a_link_earns_no_pinned_tests_credit(tiny_model: Path) -> None:
+    """The verifier writes the reference and the mutant over core.py, never through a link: a core.py
+    committed as a link leaves the tests unjudged, so that milestone is not earned."""
+
+    def linked(item: dict[str, Any]) -> list[dict[str, Any]]:
+        name = item["answer"]["name"]
+        link = call("terminal", command=f"mv {name}/core.py {name}/impl.py && ln -s impl.py {name}/core.py")
+        at = next(i for i, action in enumerate(item["oracle"]) if "git add -A" in json.dumps(action))
+        return [*item["oracle"][:at], link, *item["oracle"][at:]]
+
+    [with_link], [oracle] = (_rewards(LongHorizonEnv, tiny_model, p, items=1) for p in (linked, lambda i: i["oracle"]))
+    assert with_link == pytest.approx(oracle - long_horizon_tasks.MILESTONES["tests"])
 
 
 def test_long_horizon_fsmonitor_hook_cannot_fake_a_clean_tree(tiny_model: Path) -> None:
