@@ -191,14 +191,30 @@ def check_functions(targets: list[Target]) -> list[str]:
     """The listed functions no target module defines (renamed or removed since the list was written)."""
     missing = []
     for target in targets:
-        tree = ast.parse((ROOT / target.path).read_text())
-        defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)}
-        for cls in (node for node in tree.body if isinstance(node, ast.ClassDef)):
-            defined |= {
-                f"{cls.name}.{f.name}" for f in cls.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
-            }
+        defined = _definitions((ROOT / target.path).read_text())
         missing += [f"{target.path}: {name}" for name in target.functions or () if name not in defined]
     return missing
+
+
+def _definitions(source: str) -> dict[str, str]:
+    """A module's functions and methods (`Class.method`) by name, each with its source."""
+    tree, found = ast.parse(source), {}
+    for node in tree.body:
+        members = node.body if isinstance(node, ast.ClassDef) else [node]
+        prefix = f"{node.name}." if isinstance(node, ast.ClassDef) else ""
+        for f in members:
+            if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef):
+                found[prefix + f.name] = ast.get_source_segment(source, f) or ""
+    return found
+
+
+def mutated_code(root: Path, target: Target) -> str:
+    """The code under `root` that the target's mutants change: its listed functions, or the whole module."""
+    source = (root / target.path).read_text()
+    if target.functions is None:
+        return source
+    definitions = _definitions(source)
+    return "\n".join(definitions.get(name, "") for name in target.functions)
 
 
 def stage(staging: Path, targets: list[Target]) -> None:
@@ -344,17 +360,19 @@ def fresh(staging: Path, targets: list[Target]) -> Iterator[tuple[Path, list[Tar
 
 
 def rerun(staging: Path) -> Iterator[tuple[Path, list[Target]]]:
-    """A finished pass's staging folders with the checkout's tests copied in again; refused where the code of
-    a mutated module changed since (its mutants would no longer be the code's)."""
+    """A finished pass's staging folders with the checkout's code and tests copied in again (mutmut makes the
+    mutants of a changed file anew); refused where mutated code changed (the pass's mutants are not its)."""
     for folder in sorted(staging.glob("group-*")):
         found = statuses(folder)
         group = [target for target in TARGETS if any(target.owns(name) for name in found)]
-        changed = [
-            t.path for t in group if (folder / "src/flywheel" / t.path).read_bytes() != (ROOT / t.path).read_bytes()
-        ]
+        staged = folder / "src" / "flywheel"
+        changed = [t.path for t in group if mutated_code(staged, t) != mutated_code(ROOT, t)]
         if changed:
-            sys.exit(f"{folder}: {', '.join(changed)} changed since the pass: run it afresh (--only)")
-        shutil.copytree(ROOT / "tests", folder / "tests", dirs_exist_ok=True)
+            sys.exit(f"{folder}: mutated code in {', '.join(changed)} changed since the pass: run it afresh (--only)")
+        ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+        for name in PACKAGES:
+            shutil.copytree(ROOT / name, staged / name, ignore=ignore, dirs_exist_ok=True)
+        shutil.copytree(ROOT / "tests", folder / "tests", ignore=ignore, dirs_exist_ok=True)
         yield folder, group
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from scripts.mutation_pass import TARGETS, Target, check_functions, report
+from pathlib import Path
+
+from scripts.mutation_pass import TARGETS, Target, check_functions, mutated_code, report
 
 GATE = Target("evaluation/gate.py", None, ())
 VERIFY = Target("environments/tasks/web_tasks.py", ("verify",), ())
@@ -37,3 +39,31 @@ def test_the_table_counts_a_sample_and_a_timeout_as_caught() -> None:
         "| **all** | 5 of 6 | 2 | 1 | 1 | 1 | 0 | 60.0 |",
     ]
     assert survivors == [f"{gate}2", f"{verify}2"]
+
+
+MODULE = """def a():
+    return 1
+
+
+class C:
+    def b(self):
+        return 2
+
+
+def c():
+    return 3
+"""
+
+
+def test_the_code_a_target_mutates_is_its_functions_only(tmp_path: Path) -> None:
+    """`--again` refuses a pass whose mutated code changed since, and only that code."""
+    module = tmp_path / "m.py"
+    module.write_text(MODULE)
+    target = Target("m.py", ("a", "C.b"), ())
+    before = mutated_code(tmp_path, target)
+    assert "return 1" in before and "return 2" in before and "return 3" not in before
+    module.write_text(module.read_text().replace("return 3", "return 4"))
+    assert mutated_code(tmp_path, target) == before
+    module.write_text(module.read_text().replace("return 2", "return 5"))
+    assert mutated_code(tmp_path, target) != before
+    assert mutated_code(tmp_path, Target("m.py", None, ())) == module.read_text()
