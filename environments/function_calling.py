@@ -99,6 +99,5 @@ class FunctionCallingEnv(TaskEnv):
             return False
 
 
-
 if __name__ == "__main__":
     FunctionCallingEnv.cli()

@@ -36,6 +36,5 @@ class ToolUseChainEnv(TaskEnv):
         return await asyncio.to_thread(tasks.verify, item, ctx.read_file)  # Sandbox reads: off the loop.
 
 
-
 if __name__ == "__main__":
     ToolUseChainEnv.cli()
