@@ -76,7 +76,7 @@ def _mangled(name: str) -> str:
 STORE_TESTS = ("tests/data/test_store.py", "tests/security/test_store_attacks.py")
 GATE_TESTS = ("tests/evaluation/test_mining_and_gate.py", "tests/evaluation/test_infra_accounting.py")
 CURRICULUM_TESTS = ("tests/evaluation/test_curriculum.py", "tests/evaluation/test_steering.py")
-# The reward and parsing helpers: their own tests, the hostile outputs and the seed env contracts (not the
+# The reward and parsing helpers: their own tests, the hostile outputs and the env contract tests (not the
 # envs' end-to-end oracle and attack runs, which call them too but take minutes).
 HELPER_TESTS = (
     "tests/environments/test_rewards_and_instances.py",

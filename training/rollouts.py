@@ -24,7 +24,7 @@ trajectory: the retry splices the env's turn once, as the env's conversation has
 In-process sampling is reproducible: a batch of rollouts draws one seed from torch's RNG (which
 the Trainer checkpoints and restores on resume), each rollout's seed mixes it with the rank and
 the rollout's place in the batch, and each of its generation calls samples from its own stream
-(Gumbel-max on a hash of the seed and the position), so a reply does not depend on which other
+(Gumbel-max on a hash of that number and the position), so a reply does not depend on which other
 requests shared its forward passes, or when they arrived (sandbox set-up and tool calls take as
 long as they take). A resumed GRPO run rolls out what the uninterrupted run rolled out.
 """
@@ -390,7 +390,7 @@ def _hash32(x: Any) -> Any:
 
 
 def gumbel_noise(seeds: Any, vocab: int) -> Any:
-    """Standard Gumbel noise, one row per seed: a function of the seed and the token id only (no RNG
+    """Standard Gumbel noise, one row per entry of `seeds`: a function of that entry and the token id only (no RNG
     state, so no row depends on another, or on the order rows are drawn in)."""
     import torch
 

@@ -300,8 +300,8 @@ def test_without_primary_items_on_either_side_nothing_is_promoted() -> None:
 
 
 def test_the_bootstrap_is_seeded_so_a_decision_can_be_reproduced() -> None:
-    """One won item of 30 is a coin flip for the bootstrap: the same seed gives the same P(better) every
-    time (the gate artifact records the seed), another seed another estimate."""
+    """One won item of 30 is a coin flip for the bootstrap: the same `GateConfig.seed` gives the same
+    P(better) every time (the gate artifact records it), another value another estimate."""
     estimates = {decide(*_wins(1), GateConfig(seed=0))["p_better"] for _ in range(3)}
     assert estimates == {0.6495}
     assert decide(*_wins(1), GateConfig(seed=1))["p_better"] == 0.638
