@@ -219,14 +219,7 @@ def mutated_code(root: Path, target: Target) -> str:
 
 def stage(staging: Path, targets: list[Target]) -> None:
     """`staging/src/flywheel/...` and `staging/tests` from the working tree, and a pyproject.toml for mutmut."""
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
-    package = staging / "src" / "flywheel"
-    package.mkdir(parents=True)
-    shutil.copy2(ROOT / "flywheel" / "__init__.py", package / "__init__.py")
-    for name in PACKAGES:
-        shutil.copytree(ROOT / name, package / name, ignore=ignore)
-    for folder in COPIED:
-        shutil.copytree(ROOT / folder, staging / folder, ignore=ignore)
+    copy_checkout(staging)
     (staging / "conftest.py").write_text(STAGING_CONFTEST)
     pytest_ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     tests = sorted({test for target in targets for test in target.tests})
@@ -249,6 +242,19 @@ def stage(staging: Path, targets: list[Target]) -> None:
     pytest_ini["addopts"] = pytest_ini["addopts"].replace("--durations=30", "").strip()
     lines = ["[tool.mutmut]", *_toml_table(mutmut), "", "[tool.pytest.ini_options]", *_toml_table(pytest_ini)]
     (staging / "pyproject.toml").write_text("\n".join(lines) + "\n")
+
+
+def copy_checkout(staging: Path) -> None:
+    """The working tree's packages into `staging/src/flywheel` and its `COPIED` folders beside it, over what
+    is there (file times kept: mutmut makes a file's mutants anew only when its source is newer)."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+    package = staging / "src" / "flywheel"
+    package.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(ROOT / "flywheel" / "__init__.py", package / "__init__.py")
+    for name in PACKAGES:
+        shutil.copytree(ROOT / name, package / name, ignore=ignore, dirs_exist_ok=True)
+    for folder in COPIED:
+        shutil.copytree(ROOT / folder, staging / folder, ignore=ignore, dirs_exist_ok=True)
 
 
 def _toml_table(table: dict[str, object]) -> list[str]:
@@ -369,10 +375,7 @@ def rerun(staging: Path) -> Iterator[tuple[Path, list[Target]]]:
         changed = [t.path for t in group if mutated_code(staged, t) != mutated_code(ROOT, t)]
         if changed:
             sys.exit(f"{folder}: mutated code in {', '.join(changed)} changed since the pass: run it afresh (--only)")
-        ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-        for name in PACKAGES:
-            shutil.copytree(ROOT / name, staged / name, ignore=ignore, dirs_exist_ok=True)
-        shutil.copytree(ROOT / "tests", folder / "tests", ignore=ignore, dirs_exist_ok=True)
+        copy_checkout(folder)
         yield folder, group
 
 
@@ -396,10 +399,11 @@ def run(
             patterns += draw.sample(mine, min(sample, len(mine)))
     # mutmut's exit status is not the verdict (it is 0 with survivors): the statuses below are.
     output = mutmut(staging, "run", "--max-children", str(max_children), *patterns, check=False) if patterns else ""
-    (staging / ("mutmut-again.log" if again else "mutmut-run.log")).write_text(output)
+    log = staging / ("mutmut-again.log" if again else "mutmut-run.log")
+    log.write_text(output)
     found = {name: status for name, status in statuses(staging).items() if any(t.owns(name) for t in targets)}
     if not found or all(status == "not checked" for status in found.values()):
-        sys.exit(f"mutmut produced no results; its output is in {staging / 'mutmut-run.log'}:\n{output[-4000:]}")
+        sys.exit(f"mutmut produced no results; its output is in {log}:\n{output[-4000:]}")
     return found
 
 

@@ -37,8 +37,8 @@ def make_task(rng: random.Random, category: str, difficulty: str) -> dict[str, A
 
     if category == "lookup_price":
         named = _distinct_titles(rng, products, {"easy": 1, "medium": 2, "hard": 3}[difficulty])
-        for product in named:
-            if len(actions) > 1:  # A product page has no search form: back to the home page for the next one.
+        for number, product in enumerate(named):
+            if number:  # A product page has no search form: back to the home page for the next one.
                 actions.append(call("open_url", url=f"{{site}}{root}/"))
             actions.append(call("search", query=product.title))
             actions.append(call("follow_link", text=product.title))
