@@ -25,7 +25,8 @@ gets its budget when it unlocks, once its category's shorter slice is mastered (
 curriculum: a student first learns the 5-call procedure, then the 30-call one). Of the unsolved
 slices only the easiest (easiest difficulty, then fewest teacher turns) are taught this round: while
 the champion solves no slice yet (a base model, which first has to learn the tool-call format from a
-few procedures), at most `focus` of them; once it solves some, every one; and never more than the
+few procedures), at most `focus` of them; once it solves some, every one - a success that made no tool
+call (declining an irrelevance task, which a model that does nothing passes) is no sign of that; and never more than the
 budget left after the learnable slices gives `min_teacher_groups` each. The others wait for a later
 round.
 """
@@ -68,8 +69,8 @@ class CurriculumConfig(BaseModel):
     focus: int | None = Field(
         default=None,
         ge=1,
-        description="Unsolved slices given teacher data while the champion solves no slice yet (easiest first; "
-        "None: every one, as in every round once it solves some). From SmolLM2's base, 3 slices scored "
+        description="Unsolved slices given teacher data while the champion solves no slice yet with a tool call "
+        "(easiest first; None: every one, as in every round once it solves some). From SmolLM2's base, 3 slices scored "
         "0.25 and 4 scored 0.17; from a round-1 champion, a focus of 3 lost to a uniform mix (README).",
     )
     teaches: dict[str, list[str]] = Field(
@@ -126,7 +127,7 @@ def build_curriculum(
         sources = {env, env_name(env)}  # Samples name a file or module:Class env by its class's name.
         if not categories:  # An env without task categories is one slice, `*`, with nothing to unlock.
             own = [row for row in outcomes if row["source"] in sources]
-            counts = {(env, "*", "*"): [sum(bool(row["success"]) for row in own), len(own)]}
+            counts = {(env, "*", "*"): _tally(own)}
             row = _classify(env, "*", "*", counts, config) | {"slice": "*"}
             curriculum[env] = {"slices": [row], "unlocked": ["*"], "newly_unlocked": []}
             continue
@@ -153,15 +154,21 @@ def build_curriculum(
 
 
 def _counts(env: str, rows: list[dict[str, Any]], opened: set[str]) -> dict[tuple[str, str, str], list[int]]:
-    """[wins, n] per evidence level of `env`'s rows; the parent levels count only slices open before this
-    round, so a locked harder slice (never trained) cannot drag an easier one's parent evidence."""
-    counts: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    """[wins, n, wins without a tool call] per evidence level of `env`'s rows; the parent levels count
+    only slices open before this round, so a locked harder slice (never trained) cannot drag an easier
+    one's parent evidence."""
+    grouped: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         own, *parents = _levels(env, row["category"], row["difficulty"])
         for key in [own] + (parents if f"{row['category']}/{row['difficulty']}" in opened else []):
-            counts[key][0] += bool(row["success"])
-            counts[key][1] += 1
-    return counts
+            grouped[key].append(row)
+    return {key: _tally(group) for key, group in grouped.items()}
+
+
+def _tally(rows: list[dict[str, Any]]) -> list[int]:
+    """[wins, n, wins without a tool call] (a row that does not say counts as having made one)."""
+    wins = [row for row in rows if row["success"]]
+    return [len(wins), len(rows), sum(not row.get("acted", True) for row in wins)]
 
 
 def _levels(env: str, category: str, difficulty: str) -> list[tuple[str, str, str]]:
@@ -175,23 +182,32 @@ def _classify(
     """The class from the most specific decisive interval. A parent level decides only for a slice
     whose own outcomes point the same way; nothing decisive: unsolved until a success is seen,
     then learnable."""
-    own_wins, own_n = counts.get((env, category, difficulty), (0, 0))
+    own_wins, own_n, idle = counts.get((env, category, difficulty), (0, 0, 0))
     for key in _levels(env, category, difficulty):
-        wins, n = counts.get(key, (0, 0))
+        wins, n, _ = counts.get(key, (0, 0, 0))
         if n == 0 or own_n == 0:
             continue
         low, high = wilson(wins, n, config.z)
         if high < config.low and own_wins / own_n < config.low:
-            return _row("unsolved", own_wins, own_n, low, high, "/".join(key))
+            return _row("unsolved", own_wins, idle, own_n, (low, high), "/".join(key))
         if low > config.high and own_wins / own_n > config.high:
-            return _row("mastered", own_wins, own_n, low, high, "/".join(key))
+            return _row("mastered", own_wins, idle, own_n, (low, high), "/".join(key))
+    interval = wilson(own_wins, own_n, config.z)
     if own_wins == 0:  # Nothing for rejection sampling to keep: demonstrations until it shows a success.
-        return _row("unsolved", own_wins, own_n, *wilson(own_wins, own_n, config.z), "no success yet")
-    return _row("learnable", own_wins, own_n, *wilson(own_wins, own_n, config.z), "undecided")
+        return _row("unsolved", own_wins, idle, own_n, interval, "no success yet")
+    return _row("learnable", own_wins, idle, own_n, interval, "undecided")
 
 
-def _row(cls: SliceClass, wins: int, n: int, low: float, high: float, evidence: str) -> dict[str, Any]:
-    return {"class": cls, "wins": wins, "n": n, "ci": [round(low, 4), round(high, 4)], "evidence": evidence}
+def _row(cls: SliceClass, wins: int, idle: int, n: int, ci: tuple[float, float], evidence: str) -> dict[str, Any]:
+    low, high = ci
+    return {
+        "class": cls,
+        "wins": wins,
+        "wins_without_calls": idle,
+        "n": n,
+        "ci": [round(low, 4), round(high, 4)],
+        "evidence": evidence,
+    }
 
 
 def plan_generation(
@@ -241,10 +257,12 @@ def plan_generation(
 
 
 def _teaching_limit(cells: list[tuple[str, dict[str, Any]]], groups: int, config: CurriculumConfig) -> int | None:
-    """How many unsolved slices this round teaches: `focus` while the champion solves no slice yet (every
-    one in reach once it does), and no more than leave `min_teacher_groups` each once the learnable
-    slices have their share (by their weights); at least one."""
-    solves_some = any(row["class"] in ("learnable", "mastered") for _, row in cells)
+    """How many unsolved slices this round teaches: `focus` while the champion solves no slice yet with a
+    tool call (every one in reach once it does), and no more than leave `min_teacher_groups` each once
+    the learnable slices have their share (by their weights); at least one."""
+    solves_some = any(
+        row["class"] in ("learnable", "mastered") and row["wins"] > row.get("wins_without_calls", 0) for _, row in cells
+    )
     limit = None if solves_some else config.focus
     if config.min_teacher_groups:
         learnable = sum(row["weight"] for _, row in cells if row["class"] == "learnable")

@@ -48,6 +48,7 @@ def flatten(source_kind: str, samples: list[dict[str, Any]]) -> list[dict[str, A
                 "category": s.get("category") or "unknown",
                 "difficulty": s.get("difficulty") or "unknown",
                 "success": bool(s.get("success")),
+                "acted": made_tool_calls(s.get("messages")),
                 "errors": errors,
                 "item_id": s.get("item_id") or s.get("doc_id"),
                 "excerpt": _excerpt(s),
@@ -109,11 +110,25 @@ def policy_outcomes(store: ArtifactStore, rollouts: str) -> list[dict[str, Any]]
         if part.label != SOURCES["learnable"] or part.filename not in manifest.files:
             continue  # A teacher part, or one that wrote no group.
         for line in store.read_bytes(manifest.id, part.filename).decode().splitlines():
-            meta = json.loads(line).get("meta") or {}
+            group = json.loads(line)
+            meta = group.get("meta") or {}
             row = {"source": part.env, "category": meta.get("category") or "unknown"}
             row["difficulty"] = meta.get("difficulty") or "unknown"
-            out.extend(row | {"success": bool(completed)} for completed in meta.get("completed") or [])
+            completed = meta.get("completed") or []
+            conversations = group.get("messages") or [None] * len(completed)
+            out.extend(
+                row | {"success": bool(done), "acted": made_tool_calls(messages)}
+                for done, messages in zip(completed, conversations, strict=True)
+            )
     return out
+
+
+def made_tool_calls(messages: list[dict[str, Any]] | None) -> bool:
+    """Whether a conversation made a tool call (an unknown one counts as made): a success without one
+    (declining an irrelevance task) says nothing of whether the model can call tools."""
+    if messages is None:
+        return True
+    return any(m.get("role") == "assistant" and m.get("tool_calls") for m in messages)
 
 
 class CurriculumSpec(BaseModel):

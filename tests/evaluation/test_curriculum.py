@@ -357,14 +357,16 @@ def test_teacher_data_goes_to_the_focus_easiest_slices_with_their_turn_budgets()
 
 def test_focus_holds_only_while_the_champion_solves_nothing() -> None:
     """From a base model that solves no slice, `focus` slices are taught; once the champion solves one
-    (learnable or mastered), every unsolved unlocked slice is."""
+    (learnable or mastered) with a tool call, every unsolved unlocked slice is. Successes that made no
+    call (a model that does nothing passes an irrelevance task) leave the focus in place."""
     swe = ("off_by_one", "wrong_operator", "wrong_condition")
     long = ("library", "cli_tool", "data_utils")
     families = {"tool_use_chain": CATEGORIES, "swe_bench": swe, "long_horizon": long}
     config = CurriculumConfig(z=1.0, focus=3)
 
-    def taught(script: dict[tuple[str, str], tuple[int, int]]) -> set[tuple[str, str]]:
-        curriculum = build_curriculum(outcomes(script), families, config=config)
+    def taught(script: dict[tuple[str, str], tuple[int, int]], acted: bool = True) -> set[tuple[str, str]]:
+        rows = [row | {"acted": acted} for row in outcomes(script)]
+        curriculum = build_curriculum(rows, families, config=config)
         plan_generation(curriculum, groups=32, config=config, max_turns=6)
         rows = [(env, row) for env, spec in curriculum.items() for row in spec["slices"]]
         return {(env, row["slice"]) for env, row in rows if row["groups"] and row["class"] == "unsolved"}
@@ -376,6 +378,8 @@ def test_focus_holds_only_while_the_champion_solves_nothing() -> None:
     }
     every = (easy - {("tool_use_chain", "todo_report/easy")}) | others
     assert taught({("todo_report", "easy"): (1, 2)}) == every  # Learnable now: eight taught, not three.
+    idle = easy - {("tool_use_chain", "todo_report/easy")} | {("swe_bench", "off_by_one/easy")}
+    assert taught({("todo_report", "easy"): (1, 2)}, acted=False) == idle  # Still three.
     mastered = every | {("tool_use_chain", "todo_report/medium")}  # Unlocked by the mastered easy slice.
     assert taught({("todo_report", "easy"): (3, 3)}) == mastered
 
@@ -513,6 +517,7 @@ def test_every_row_records_its_interval_at_the_configured_width() -> None:
     assert rows["todo_report/easy"] | {"slice": ""} == {
         "class": "unsolved",
         "wins": 0,
+        "wins_without_calls": 0,
         "n": 2,
         "ci": [0.0, 0.3333],
         "evidence": "no success yet",

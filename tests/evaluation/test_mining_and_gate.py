@@ -97,6 +97,26 @@ def test_the_champions_own_rollouts_count_toward_mastery(store: ArtifactStore) -
     assert by_policy["line_count/easy"] == "mastered" and "line_count/medium" in unlocked
 
 
+def test_successes_without_a_tool_call_are_counted_apart(store: ArtifactStore) -> None:
+    """A held-out success or a policy rollout that made no tool call (declining an irrelevance task) is a
+    win the curriculum records as `wins_without_calls`: what keeps a do-nothing base in `focus`."""
+    spec = CurriculumSpec(families={"function_calling": ("choose_or_refuse",)})
+    slice_ = {"env": "function_calling", "category": "choose_or_refuse", "difficulty": "easy"}
+    call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}
+    declined = [{"role": "user", "content": "task"}, {"role": "assistant", "content": "None fits."}]
+    held_out = [
+        slice_ | {"item_id": f"h{i}", "reward": 1.0, "success": True, "messages": messages}
+        for i, messages in enumerate([declined, declined, [*declined[:1], call]])
+    ]
+    evals = store.put("eval", "agentic", {"samples/function_calling.jsonl": _jsonl(held_out)})
+    group = {"scores": [1.0, 1.0], "messages": [declined, [call]], "meta": slice_ | {"completed": [True, True]}}
+    part = {"env": "function_calling", "label": "policy", "groups": 1}
+    rollouts = store.put("rollouts", "r1", {"function_calling-policy.jsonl": _jsonl([group])}, params={"parts": [part]})
+    mined = mine_to_store(store, [evals.id], curriculum=spec, name="w", rollouts=rollouts.id)
+    row = store.read_json(mined.id, "curriculum.json")["slices"]["function_calling"]["slices"][0]
+    assert (row["slice"], row["wins"], row["wins_without_calls"], row["n"]) == ("choose_or_refuse/easy", 5, 3, 5)
+
+
 def _jsonl(rows: list[dict]) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows)
 
