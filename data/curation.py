@@ -1,12 +1,17 @@
 """Curation: scored rollout groups (Atropos JSONL) -> an SFT set, preference pairs and a data card.
 
+It streams: groups pass one at a time, de-duplication is MinHash-LSH (`dedup.py`), decontamination an
+n-gram index of the eval sets (`contamination.py`), and the datasets are written as Parquet shards
+as their rows come (`columnar.py`): time linear in the rollouts, memory bounded by the index.
+
 Filters, in order, each counted in the card:
 1. `infra`: rollouts whose inference failed never reach the JSONL; groups with none left are counted.
 2. `low_reward`: rollouts the env's verifier did not pass (`meta.completed`), or under `min_reward`
    (rejection sampling; groups without `completed` fall back to `score >= 1.0`).
 3. `low_spread`: whole groups whose max-min score is under `min_group_spread`.
 4. `not_top_n`: all but the best `top_n_per_group` of a group (ties: fewer turns first).
-5. `exact_duplicate` / `near_duplicate`: same conversation, or word-shingle Jaccard >= threshold.
+5. `exact_duplicate` / `near_duplicate`: same conversation, or word-shingle Jaccard >= threshold with
+   a row kept before it.
 6. `contaminated`: the task is an evaluation item's (equal `content_digest`: prompt, files and
    answer, whatever the ids), or its text has most of the n-grams that only one eval item has
    (n-grams two eval items, or two distinct training tasks, share are template text: a held-out set
@@ -16,15 +21,20 @@ Filters, in order, each counted in the card:
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
+import tempfile
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
+
+from flywheel.data.columnar import ShardWriter, format_params
+from flywheel.data.contamination import ContaminationCheck
+from flywheel.data.dedup import Deduplicator
+from flywheel.data.errors import StoreError
 
 
 class CurationConfig(BaseModel):
@@ -35,8 +45,13 @@ class CurationConfig(BaseModel):
     )
     top_n_per_group: int = Field(default=1, ge=1, description="Best rollouts kept per group.")
     min_group_spread: float = Field(default=0.0, ge=0, description="Drop groups whose max-min score is lower.")
-    near_duplicate_jaccard: float = Field(default=0.9, gt=0, le=1, description="Near-duplicate threshold.")
+    near_duplicate_jaccard: float = Field(
+        default=0.9, gt=0, le=1, description="Near-duplicate: word-shingle Jaccard with a kept row at least this."
+    )
     shingle_words: int = Field(default=5, ge=1, description="Words per shingle for near-duplicates.")
+    minhash_permutations: int = Field(
+        default=128, ge=16, description="MinHash size: the Jaccard estimate's error shrinks as 1/sqrt of it."
+    )
     contamination_ngram: int = Field(default=8, ge=3, description="n for the contamination n-gram check.")
     contamination_overlap: float = Field(
         default=0.5,
@@ -58,50 +73,58 @@ META_KEYS = ("item_id", "content_digest", "env", "category", "difficulty")  # Wh
 
 
 @dataclass
-class CurationResult:
-    sft: list[dict[str, Any]]
-    pairs: list[dict[str, Any]]
+class CurationStats:
+    """What the data card reports, counted as the rows stream past (nothing here grows with them)."""
+
     removed: Counter[str] = field(default_factory=Counter)
     groups_seen: int = 0
     rollouts_seen: int = 0
-    rewards_seen: list[float] = field(default_factory=list)
+    reward_bins: Counter[int] = field(default_factory=Counter)
+    per_slice: Counter[str] = field(default_factory=Counter)
+    per_env: Counter[str] = field(default_factory=Counter)
+    preference_pairs: int = 0
 
     def card(self) -> dict[str, Any]:
         """Counts per slice, reward histogram and what each filter removed."""
-        slices = Counter(
-            f"{r['meta'].get('env')}/{r['meta'].get('category')}/{r['meta'].get('difficulty')}" for r in self.sft
-        )
-        bins = Counter(min(9, int(max(0.0, r) * 10)) for r in self.rewards_seen)
         return {
             "groups_seen": self.groups_seen,
             "rollouts_seen": self.rollouts_seen,
-            "sft_examples": len(self.sft),
-            "preference_pairs": len(self.pairs),
+            "sft_examples": sum(self.per_env.values()),
+            "preference_pairs": self.preference_pairs,
             "removed": dict(self.removed),
-            "per_slice": dict(sorted(slices.items())),
-            "per_env": dict(sorted(Counter(r["meta"].get("env") for r in self.sft).items())),
-            "reward_histogram": {f"{b / 10:.1f}-{(b + 1) / 10:.1f}": bins.get(b, 0) for b in range(10)},
+            "per_slice": dict(sorted(self.per_slice.items())),
+            "per_env": dict(sorted(self.per_env.items())),
+            "reward_histogram": {f"{b / 10:.1f}-{(b + 1) / 10:.1f}": self.reward_bins.get(b, 0) for b in range(10)},
         }
 
 
-def curate(
-    groups: Iterable[dict[str, Any]],
-    eval_texts: list[str],
-    config: CurationConfig | None = None,
-    eval_digests: set[str] | None = None,
-) -> CurationResult:
-    """Select SFT examples and preference pairs from scored groups (see module docstring);
-    `eval_digests`: the held-out items' `content_digest`s."""
-    config = config or CurationConfig()
-    result = CurationResult(sft=[], pairs=[])
-    candidates: list[dict[str, Any]] = []
-    training_tasks: dict[str, str] = {}  # Task key -> task text, for what the generator's templates share.
-    for group in groups:
-        result.groups_seen += 1
+class Curator:
+    """Curation that streams: `add` each group (filters, de-duplication), then `rows()` yields the SFT
+    rows and preference pairs that pass decontamination. Candidates wait for it in a spool file, not
+    in memory: decontamination needs every training task seen first (what two share is template)."""
+
+    def __init__(
+        self, eval_texts: Iterable[str], config: CurationConfig | None = None, eval_digests: set[str] | None = None
+    ) -> None:
+        self.config = config = config or CurationConfig()
+        self.stats = CurationStats()
+        self._dedup = Deduplicator(config.near_duplicate_jaccard, config.shingle_words, config.minhash_permutations)
+        self._contamination = ContaminationCheck(
+            eval_texts,
+            config.contamination_ngram,
+            config.contamination_overlap,
+            config.boilerplate_items,
+            eval_digests or set(),
+        )
+        self._spool = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115 - lives as long as self; rows() closes it.
+
+    def add(self, group: dict[str, Any]) -> None:
+        """Run one scored group through rejection sampling, top-n and de-duplication."""
+        config, stats = self.config, self.stats
+        stats.groups_seen += 1
         meta = group.get("meta") or {}
         if group.get("messages"):
-            text = _task_text(group["messages"][0])
-            training_tasks[meta.get("content_digest") or hashlib.sha256(text.encode()).hexdigest()] = text
+            self._contamination.observe(_task_text(group["messages"][0]), meta.get("content_digest"))
         scores = [float(s) for s in group.get("scores") or []]
         completed = meta.get("completed") or [s >= 1.0 for s in scores]
         rollouts = [
@@ -113,36 +136,86 @@ def curate(
             }
             for m, s, c in zip(group.get("messages") or [], scores, completed, strict=False)
         ]
-        result.rollouts_seen += len(rollouts)
-        result.rewards_seen.extend(r["score"] for r in rollouts)
+        stats.rollouts_seen += len(rollouts)
+        stats.reward_bins.update(min(9, int(max(0.0, r["score"]) * 10)) for r in rollouts)
         if not rollouts:
-            result.removed["infra"] += 1
-            continue
+            stats.removed["infra"] += 1
+            return
         pair = preference_pair(rollouts, meta, config.pair_min_gap)
         if pair is not None:
-            result.pairs.append(pair)
+            self._spool_row("pairs", pair)
         scores = [r["score"] for r in rollouts]
         if config.min_group_spread > 0 and max(scores) - min(scores) < config.min_group_spread:
-            result.removed["low_spread"] += len(rollouts)
-            continue
+            stats.removed["low_spread"] += len(rollouts)
+            return
         floor = config.min_reward
         good = [r for r in rollouts if r["completed"] and (floor is None or r["score"] >= floor)]
-        result.removed["low_reward"] += len(rollouts) - len(good)
+        stats.removed["low_reward"] += len(rollouts) - len(good)
         good.sort(key=lambda r: (-r["score"], r["turns"]))
-        result.removed["not_top_n"] += max(0, len(good) - config.top_n_per_group)
+        stats.removed["not_top_n"] += max(0, len(good) - config.top_n_per_group)
         for rollout in good[: config.top_n_per_group]:
-            candidates.append(_sft_row(rollout, meta))
-    kept = _deduplicate(candidates, config, result.removed)
-    checker = _ContaminationCheck(eval_texts, config, eval_digests or set(), training_tasks.values())
-    for row in kept:
-        if checker.contaminated(_task_text(row["messages"]), row["meta"].get("content_digest")):
-            result.removed["contaminated"] += 1
-        else:
-            result.sft.append(row)
-    result.pairs = [
-        p for p in result.pairs if not checker.contaminated(_task_text(p["prompt"]), p["meta"].get("content_digest"))
-    ]
-    return result
+            row = _sft_row(rollout, meta)
+            exact_key = json.dumps(row["messages"], sort_keys=True)
+            duplicate = self._dedup.duplicate(exact_key, _conversation_text(row["messages"]))
+            if duplicate:
+                stats.removed[duplicate] += 1
+            else:
+                self._spool_row("sft", row)
+
+    def rows(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(`sft` | `pairs`, row) in the order they were kept, each decontaminated (counted in `stats`)."""
+        self._spool.seek(0)
+        for line in self._spool:
+            kind, row = json.loads(line)
+            prompt = row["messages"] if kind == "sft" else row["prompt"]
+            meta = row["meta"]
+            if self._contamination.contaminated(_task_text(prompt), meta.get("content_digest")):
+                if kind == "sft":  # The card counts rollouts removed; a dropped pair is no rollout lost.
+                    self.stats.removed["contaminated"] += 1
+                continue
+            if kind == "sft":
+                self.stats.per_slice[f"{meta.get('env')}/{meta.get('category')}/{meta.get('difficulty')}"] += 1
+                self.stats.per_env[meta.get("env")] += 1
+            else:
+                self.stats.preference_pairs += 1
+            yield kind, row
+        self._spool.close()
+
+    def _spool_row(self, kind: str, row: dict[str, Any]) -> None:
+        self._spool.write(json.dumps([kind, row], ensure_ascii=False) + "\n")
+
+
+@dataclass
+class CurationResult:
+    """A curation kept in memory (small sets, tests): the rows and the card's counts."""
+
+    sft: list[dict[str, Any]]
+    pairs: list[dict[str, Any]]
+    stats: CurationStats
+
+    @property
+    def removed(self) -> Counter[str]:
+        return self.stats.removed
+
+    def card(self) -> dict[str, Any]:
+        return self.stats.card()
+
+
+def curate(
+    groups: Iterable[dict[str, Any]],
+    eval_texts: list[str],
+    config: CurationConfig | None = None,
+    eval_digests: set[str] | None = None,
+) -> CurationResult:
+    """Select SFT examples and preference pairs from scored groups (see module docstring), in memory;
+    `eval_digests`: the held-out items' `content_digest`s."""
+    curator = Curator(eval_texts, config, eval_digests)
+    for group in groups:
+        curator.add(group)
+    kept: dict[str, list[dict[str, Any]]] = {"sft": [], "pairs": []}
+    for kind, row in curator.rows():
+        kept[kind].append(row)
+    return CurationResult(kept["sft"], kept["pairs"], curator.stats)
 
 
 def _sft_row(rollout: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
@@ -199,56 +272,6 @@ def preference_pair(rollouts: list[dict[str, Any]], meta: dict[str, Any], gap: f
     }
 
 
-def _deduplicate(rows: list[dict[str, Any]], config: CurationConfig, removed: Counter[str]) -> list[dict[str, Any]]:
-    seen: set[str] = set()
-    kept: list[dict[str, Any]] = []
-    kept_shingles: list[set[str]] = []
-    for row in rows:
-        digest = hashlib.sha256(json.dumps(row["messages"], sort_keys=True).encode()).hexdigest()
-        if digest in seen:
-            removed["exact_duplicate"] += 1
-            continue
-        seen.add(digest)
-        shingles = _shingles(_conversation_text(row["messages"]), config.shingle_words)
-        if any(_jaccard(shingles, other) >= config.near_duplicate_jaccard for other in kept_shingles):
-            removed["near_duplicate"] += 1
-            continue
-        kept.append(row)
-        kept_shingles.append(shingles)
-    return kept
-
-
-class _ContaminationCheck:
-    """A training task is contaminated when it is a held-out task (its content digest) or carries
-    enough of a held-out item's rare n-grams. Rare: in fewer than `boilerplate_items` held-out items
-    and in fewer than that many distinct training tasks (by digest, else by text): text the generator
-    gives two different tasks is a template, not what identifies one (the digest check still catches
-    the same task in other words). With one held-out item per category the first count alone would
-    take a category's prompt template for that item's own text."""
-
-    def __init__(
-        self, eval_texts: list[str], config: CurationConfig, digests: set[str], training_texts: Iterable[str]
-    ) -> None:
-        self.n = config.contamination_ngram
-        self.overlap = config.contamination_overlap
-        grams = [set(_ngrams(text, self.n)) for text in eval_texts]
-        df = Counter(g for doc in grams for g in doc)
-        df_training = Counter(g for text in training_texts for g in set(_ngrams(text, self.n)))
-        limit = config.boilerplate_items
-        self.docs = [{g for g in doc if df[g] < limit and df_training[g] < limit} for doc in grams]
-        self.digests = digests
-        self.index: dict[tuple[str, ...], list[int]] = {}
-        for number, doc in enumerate(self.docs):
-            for gram in doc:
-                self.index.setdefault(gram, []).append(number)
-
-    def contaminated(self, text: str, digest: str | None = None) -> bool:
-        if digest is not None and digest in self.digests:  # The same task, whatever its text.
-            return True
-        hits = Counter(number for gram in set(_ngrams(text, self.n)) for number in self.index.get(gram, ()))
-        return any(count >= self.overlap * len(self.docs[number]) for number, count in hits.items())
-
-
 def _task_text(messages: list[dict[str, Any]]) -> str:
     """What defines the task: the user turns."""
     return "\n".join(m.get("content") or "" for m in messages if m.get("role") == "user")
@@ -262,31 +285,14 @@ def _conversation_text(messages: list[dict[str, Any]]) -> str:
     )
 
 
-def _words(text: str) -> list[str]:
-    return re.findall(r"\w+|[^\w\s]", text.lower())
-
-
-def _ngrams(text: str, n: int) -> list[tuple[str, ...]]:
-    words = _words(text)
-    return [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
-
-
-def _shingles(text: str, n: int) -> set[str]:
-    words = _words(text)
-    return {" ".join(words[i : i + n]) for i in range(max(1, len(words) - n + 1))}
-
-
-def _jaccard(a: set[str], b: set[str]) -> float:
-    return len(a & b) / len(a | b) if a or b else 1.0
-
-
-def read_groups(store: Any, ref: str) -> list[dict[str, Any]]:
-    """Every group in the JSONL files of a `rollouts` artifact; a bad line is a clear error."""
-    from flywheel.data.errors import StoreError
-
+def read_groups(store: Any, ref: str) -> Iterator[dict[str, Any]]:
+    """The groups of a `rollouts` artifact, a file at a time (files by name, each file's groups by
+    item id); a bad line is a clear error. Groups are written in completion order: sorting makes the
+    dataset (its hash, so every cache key downstream) depend on what was generated, not on which
+    rollout finished first."""
     manifest = store.manifest(ref)
-    groups = []
     for relpath in sorted(p for p in manifest.files if p.endswith(".jsonl")):
+        groups = []
         for number, line in enumerate(store.read_bytes(manifest.id, relpath).decode().splitlines(), start=1):
             if not line.strip():
                 continue
@@ -297,7 +303,7 @@ def read_groups(store: Any, ref: str) -> list[dict[str, Any]]:
             if not isinstance(group, dict) or "scores" not in group or "messages" not in group:
                 raise StoreError(f"{manifest.kind}/{manifest.name}:{relpath} line {number} is not a scored group")
             groups.append(group)
-    return groups
+        yield from sorted(groups, key=lambda group: str((group.get("meta") or {}).get("item_id", "")))
 
 
 def eval_texts(store: Any) -> tuple[list[str], set[str], list[str]]:
@@ -320,38 +326,28 @@ def eval_texts(store: Any) -> tuple[list[str], set[str], list[str]]:
 def curate_to_store(
     store: Any, rollout_refs: list[str], sft_name: str, pairs_name: str, config: CurationConfig | None = None
 ) -> tuple[Any, Any]:
-    """Curate rollout artifacts into `dataset/<sft_name>` and `dataset/<pairs_name>` (with data cards)."""
+    """Curate rollout artifacts into `dataset/<sft_name>` and `dataset/<pairs_name>` (Parquet shards
+    and data cards), streaming: a rollouts file, the index and a shard in memory at a time."""
     config = config or CurationConfig()
-    groups = [group for ref in rollout_refs for group in read_groups(store, ref)]
-    # Groups are written in completion order; sorting makes the dataset (its hash, so every cache
-    # key downstream) depend on what was generated, not on which rollout finished first.
-    groups.sort(key=lambda group: str((group.get("meta") or {}).get("item_id", "")))
     texts, digests, evalset_ids = eval_texts(store)
-    result = curate(groups, texts, config, digests)
-    card = result.card()
-    parents = [store.resolve(ref) for ref in rollout_refs] + evalset_ids
-    common = {"parents": parents, "params": config.model_dump(), "metrics": card}
-    sft = store.put(
-        "dataset",
-        sft_name,
-        {
-            "train.jsonl": _jsonl(result.sft),
-            "data_card.json": json.dumps(card, indent=2),
-            "data_card.md": _card_md(card),
-        },
-        **common,
-    )
-    pairs = store.put(
-        "dataset",
-        pairs_name,
-        {"train.jsonl": _jsonl(result.pairs), "data_card.json": json.dumps(card, indent=2)},
-        **common,
-    )
-    return sft, pairs
-
-
-def _jsonl(rows: list[dict[str, Any]]) -> str:
-    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    curator = Curator(texts, config, digests)
+    for ref in rollout_refs:
+        for group in read_groups(store, ref):
+            curator.add(group)
+    with tempfile.TemporaryDirectory(prefix="flywheel-curate-") as tmp:
+        writers = {kind: ShardWriter(Path(tmp, kind), kind) for kind in ("sft", "pairs")}
+        for kind, row in curator.rows():
+            writers[kind].write(row)
+        shards = {kind: writer.close() for kind, writer in writers.items()}
+        card = curator.stats.card()
+        parents = [store.resolve(ref) for ref in rollout_refs] + evalset_ids
+        cards = {"data_card.json": json.dumps(card, indent=2), "data_card.md": _card_md(card)}
+        made = []
+        for kind, name in (("sft", sft_name), ("pairs", pairs_name)):
+            files = {path.name: path for path in shards[kind]} | cards
+            params = config.model_dump() | format_params(kind)
+            made.append(store.put("dataset", name, files, parents=parents, params=params, metrics=card))
+    return made[0], made[1]
 
 
 def _card_md(card: dict[str, Any]) -> str:

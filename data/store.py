@@ -209,6 +209,17 @@ class ArtifactStore:
             )
         return self.read_blob(entry, f"({manifest.kind}/{manifest.name}:{relpath})")
 
+    def file_urls(self, ref: str, suffix: str = "") -> list[str]:
+        """URLs (`file://` or `s3://`) of an artifact's blobs whose paths end in `suffix`, in path order:
+        `data_files` for a library that reads through fsspec, as `datasets.load_dataset` does. Read
+        that way a blob is not hash-verified (`read_bytes` is)."""
+        manifest = self.manifest(ref)
+        return [
+            self.fs.unstrip_protocol(self._blob_path(entry.sha256))
+            for relpath, entry in sorted(manifest.files.items())
+            if relpath.endswith(suffix)
+        ]
+
     def read_json(self, ref: str, relpath: str) -> Any:
         """One JSON file of an artifact, parsed."""
         return json.loads(self.read_bytes(ref, relpath))

@@ -15,7 +15,6 @@ prompt; chosen / rejected as the continuations), which keeps tool-call arguments
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any, Literal
@@ -23,6 +22,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from flywheel.data import ArtifactStore, Manifest
+from flywheel.data.columnar import read_rows
 from flywheel.data.curation import preference_pair
 from flywheel.training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
 from flywheel.training.config import RunnerConfig
@@ -120,8 +120,7 @@ def run_dpo(
     model_dir = resolve_model(cfg.policy_model, store)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if cfg.dataset:
-        text = store.read_bytes(cfg.dataset, "train.jsonl").decode()
-        pairs = [json.loads(line) for line in text.splitlines() if line.strip()]
+        pairs = list(read_rows(store, cfg.dataset, "pairs"))
     else:
         pairs = sample_pairs(cfg, sampling_policy(model_dir, settings), tokenizer, model_dir, envs)
         release_memory()  # The sampling copy is garbage now: its memory goes back before the trainer loads.

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from flywheel.data import ArtifactStore, Manifest
+from flywheel.data.columnar import read_rows
 from flywheel.training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
 from flywheel.training.config import TrainConfig
 from flywheel.training.distributed import training_arguments
@@ -35,7 +36,7 @@ class SFTRunConfig(TrainConfig):
     """One SFT run: the shared training knobs plus what to train on."""
 
     algorithm: Literal["sft"] = Field(default="sft", description="Always sft.")
-    dataset: str = Field(description="Store ref of a curated `dataset` artifact (train.jsonl), or a local JSONL.")
+    dataset: str = Field(description="Store ref of a curated `dataset` artifact, or a local JSONL file.")
     learning_rate: float = Field(default=5e-5, gt=0, description="Peak learning rate.")
     batch_size: int = Field(default=8, ge=1, description="Per-device batch size.")
     total_steps: int = Field(default=20, ge=1, description="Optimizer steps.")
@@ -51,11 +52,10 @@ def load_rows(store: ArtifactStore, dataset: str) -> tuple[list[dict[str, Any]],
     """Conversations of a dataset artifact (or a local JSONL file) and the artifact id, if any."""
     path = Path(dataset)
     if path.is_file():
-        text, parent = path.read_text(), None
+        rows, parent = [json.loads(line) for line in path.read_text().splitlines() if line.strip()], None
     else:
-        manifest = store.manifest(dataset)
-        text, parent = store.read_bytes(manifest.id, "train.jsonl").decode(), manifest.id
-    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        parent = store.manifest(dataset).id
+        rows = list(read_rows(store, parent, "sft"))
     if not rows:
         raise ValueError(f"dataset '{dataset}' has no examples")
     return rows, parent

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from flywheel.data import ArtifactStore, StoreError
+from flywheel.data.columnar import read_rows
 from flywheel.data.curation import CurationConfig, curate, curate_to_store
 
 LONG = " ".join(f"word{i}" for i in range(60))
@@ -140,10 +141,12 @@ def test_curate_to_store_records_lineage_and_card(store: ArtifactStore) -> None:
     sft, pairs = curate_to_store(store, ["rollouts/r1"], "sft-r1", "pairs-r1")
     assert (sft.name, pairs.name) == ("sft-r1", "pairs-r1")
     assert set(sft.parents) == {rollouts.id, evalset.id} and sft.metrics["sft_examples"] == 2
-    rows = [json.loads(line) for line in store.read_bytes(sft.id, "train.jsonl").decode().splitlines()]
+    rows = list(read_rows(store, sft.id, "sft"))
     assert [r["meta"]["item_id"] for r in rows] == ["g1", "g7"]
+    assert rows[0]["messages"][2]["tool_calls"][0]["function"]["arguments"] == {"path": "a"}  # A dict again.
     assert "contaminated" in store.read_bytes(sft.id, "data_card.md").decode()
-    assert len(store.read_bytes(pairs.id, "train.jsonl").decode().splitlines()) == 1
+    assert len(list(read_rows(store, pairs.id, "pairs"))) == 1
+    assert sft.params["format"]["version"] == 1 and "messages: string" in sft.params["format"]["schema"]
 
 
 def test_a_bad_rollout_line_fails_clearly_and_stores_nothing(store: ArtifactStore) -> None:

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from flywheel.data.curation import CurationConfig, _ngrams, curate
+from flywheel.data.curation import CurationConfig, curate
+from flywheel.data.text import ngrams
 from flywheel.environments.agent.policies import ScriptedPolicy, final
 from flywheel.environments.agent.records import content_digest
 from flywheel.environments.agent_loop import AgentResult
@@ -317,9 +318,9 @@ def test_nothing_is_shared_with_the_lm_eval_suite() -> None:
     params = {p for i in ours for f in i["functions"] for p in f["parameters"]["properties"]}
     assert not names & set(TOOLS) and not params & suite_params
     n = CurationConfig().contamination_ngram
-    syntax = set(_ngrams(HERMES.tool_call_text("tool_name", {"argument": "value"}), n))
-    suite_grams = {g for text in suite_texts for g in _ngrams(text, n)}
-    assert {g for i in ours for g in _ngrams(i["prompt"], n) if g in suite_grams} <= syntax
+    syntax = set(ngrams(HERMES.tool_call_text("tool_name", {"argument": "value"}), n))
+    suite_grams = {g for text in suite_texts for g in ngrams(text, n)}
+    assert {g for i in ours for g in ngrams(i["prompt"], n) if g in suite_grams} <= syntax
     groups = [
         {"messages": [[{"role": "user", "content": i["prompt"]}, {"role": "assistant", "content": "Done."}]],
          "scores": [1.0], "meta": {"item_id": i["item_id"], "content_digest": content_digest(i), "completed": [True]}}
