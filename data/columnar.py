@@ -6,7 +6,8 @@ than a shard. Conversations keep their JSON text in one string column each (`mes
 ...): a tool call's arguments differ in keys and types from call to call, which no one Arrow type
 holds; what a reader filters or groups by (env, category, difficulty, rewards) are typed columns.
 The format and its schema version are in the manifest's params (`format`), and datasets from
-before it (`train.jsonl`) still read.
+before it (`train.jsonl`) still read; `flywheel artifacts export REF OUT.jsonl` writes any of them
+as JSONL.
 
 Readable with the library too: `datasets.load_dataset("parquet", data_files=store.file_urls(ref,
 ".parquet"), streaming=True)`.
@@ -24,6 +25,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from flywheel.data.errors import StoreError
+
 SCHEMA_VERSION = 1
 ROWS_PER_SHARD = 10_000
 LEGACY_FILE = "train.jsonl"  # A dataset artifact stored before the Parquet format.
@@ -31,34 +34,50 @@ LEGACY_FILE = "train.jsonl"  # A dataset artifact stored before the Parquet form
 
 @dataclass(frozen=True)
 class RowSchema:
-    """A row kind: JSON text columns, and the typed columns its `meta` is flattened into."""
+    """A row kind: JSON text columns, typed columns stored as they are, and the typed columns its
+    `meta` is flattened into (`meta` rebuilt from them unless it is a JSON column of its own: then
+    they are copies to filter on)."""
 
     json_columns: tuple[str, ...]
     meta_columns: tuple[tuple[str, pa.DataType], ...]
+    typed_columns: tuple[tuple[str, pa.DataType], ...] = ()
 
     @property
     def arrow(self) -> pa.Schema:
         fields = [pa.field(name, pa.string()) for name in self.json_columns]
-        return pa.schema(fields + [pa.field(name, kind) for name, kind in self.meta_columns])
+        return pa.schema(fields + [pa.field(name, kind) for name, kind in (*self.typed_columns, *self.meta_columns)])
 
     def to_record(self, row: dict[str, Any]) -> dict[str, Any]:
         meta = row.get("meta") or {}
-        return {name: json.dumps(row[name], ensure_ascii=False) for name in self.json_columns} | {
-            name: meta.get(name) for name, _ in self.meta_columns
-        }
+        return (
+            {name: json.dumps(row.get(name), ensure_ascii=False) for name in self.json_columns}
+            | {name: row.get(name) for name, _ in self.typed_columns}
+            | {name: meta.get(name) for name, _ in self.meta_columns}
+        )
 
     def from_record(self, record: dict[str, Any]) -> dict[str, Any]:
         row = {name: json.loads(record[name]) for name in self.json_columns}
-        return row | {"meta": {name: record[name] for name, _ in self.meta_columns}}
+        row |= {name: record[name] for name, _ in self.typed_columns}
+        if "meta" not in self.json_columns:
+            row["meta"] = {name: record[name] for name, _ in self.meta_columns}
+        return row
 
 
 _SLICE = (("item_id", pa.string()), ("content_digest", pa.string()), ("env", pa.string()),
           ("category", pa.string()), ("difficulty", pa.string()))  # fmt: skip
+_IDS = pa.list_(pa.list_(pa.int32()))
 SCHEMAS = {
     "sft": RowSchema(("messages", "tools"), (*_SLICE, ("reward", pa.float64()))),
     "pairs": RowSchema(
         ("prompt", "chosen", "rejected", "tools"),
         (*_SLICE, ("chosen_reward", pa.float64()), ("rejected_reward", pa.float64())),
+    ),
+    # An Atropos scored group: token ids, masks and scores typed; what atroposlib leaves None here
+    # (advantages, overrides, images) and the env's meta as JSON.
+    "rollouts": RowSchema(
+        ("messages", "meta", "advantages", "ref_logprobs", "group_overrides", "overrides", "images"),
+        _SLICE,
+        (("tokens", _IDS), ("masks", _IDS), ("scores", pa.list_(pa.float64()))),
     ),
 }
 
@@ -113,18 +132,23 @@ class ShardWriter:
 
 
 def read_rows(store: Any, ref: str, kind: str, split: str = "train") -> Iterator[dict[str, Any]]:
-    """A dataset artifact's rows in order, one verified shard in memory at a time; a dataset stored
-    before the Parquet format (`train.jsonl`) reads the same."""
+    """A dataset artifact's rows of `split` in order, one verified shard in memory at a time; one stored
+    before the Parquet format (`<split>.jsonl`) reads the same."""
     manifest = store.manifest(ref)
-    shards = sorted(p for p in manifest.files if p.startswith(f"{split}-") and p.endswith(".parquet"))
-    if not shards and LEGACY_FILE in manifest.files:
-        for line in store.read_bytes(manifest.id, LEGACY_FILE).decode().splitlines():
+    legacy = f"{split}.jsonl"
+    shards = sorted(p for p in manifest.files if _is_shard(p) and p.rsplit("-", 1)[0] == split)
+    if not shards and legacy in manifest.files:
+        for number, line in enumerate(store.read_bytes(manifest.id, legacy).decode().splitlines(), start=1):
             if line.strip():
-                yield json.loads(line)
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as err:
+                    where = f"{manifest.kind}/{manifest.name}:{legacy}"
+                    raise StoreError(f"{where} line {number} is not JSON: {err}") from err
         return
     version = (manifest.params.get("format") or {}).get("version", SCHEMA_VERSION)
     if version != SCHEMA_VERSION:
-        raise ValueError(
+        raise StoreError(
             f"{manifest.kind}/{manifest.name} is in dataset format version {version}; this flywheel reads "
             f"version {SCHEMA_VERSION}: upgrade flywheel to read it"
         )
@@ -133,3 +157,51 @@ def read_rows(store: Any, ref: str, kind: str, split: str = "train") -> Iterator
         table = pq.ParquetFile(io.BytesIO(store.read_bytes(manifest.id, relpath)))
         for batch in table.iter_batches():
             yield from (schema.from_record(record) for record in batch.to_pylist())
+
+
+def splits(manifest: Any) -> list[str]:
+    """The splits an artifact holds: its `<split>-NNNNN.parquet` shards' and `<split>.jsonl` files' names."""
+    names = {path.rsplit("-", 1)[0] for path in manifest.files if _is_shard(path)}
+    return sorted(names | {path[:-6] for path in manifest.files if path.endswith(".jsonl") and "/" not in path})
+
+
+def export_jsonl(store: Any, ref: str, out: Path, split: str | None = None) -> int:
+    """Write an artifact's rows (every split in order, or `split`) as JSONL to `out`; the rows written."""
+    manifest = store.manifest(ref)
+    kind = (manifest.params.get("format") or {}).get("rows", "sft")  # A JSONL dataset reads as it is.
+    chosen = [split] if split else splits(manifest)
+    unknown = sorted(set(chosen) - set(splits(manifest)))
+    if unknown or not chosen:
+        raise StoreError(
+            f"{manifest.kind}/{manifest.name} has no split {', '.join(unknown) or 'of rows'}; "
+            f"it has: {', '.join(splits(manifest)) or 'none'}"
+        )
+    written = 0
+    with out.open("w", encoding="utf-8") as lines:
+        for name in chosen:
+            for row in read_rows(store, manifest.id, kind, name):
+                lines.write(json.dumps(row, ensure_ascii=False) + "\n")
+                written += 1
+    return written
+
+
+def rollouts_to_shards(source: Path, folder: Path, rows_per_shard: int = ROWS_PER_SHARD) -> list[Path]:
+    """A part's rollout groups (atroposlib's `process` JSONL, in completion order) as Parquet shards
+    named after it, in item-id order: the dataset then depends on what was generated, not on which
+    rollout finished first. One part's groups are sorted in memory (a generation shard's, bounded)."""
+    with source.open(encoding="utf-8") as lines:
+        groups = [json.loads(line) for line in lines if line.strip()]
+    writer = ShardWriter(folder, "rollouts", split=source.stem, rows_per_shard=rows_per_shard)
+    for group in sorted(groups, key=item_order):
+        writer.write(group)
+    return writer.close()
+
+
+def item_order(group: dict[str, Any]) -> str:
+    """The order groups are stored and read in: by their item id."""
+    return str((group.get("meta") or {}).get("item_id", ""))
+
+
+def _is_shard(path: str) -> bool:
+    stem, _, number = path.removesuffix(".parquet").rpartition("-")
+    return path.endswith(".parquet") and bool(stem) and len(number) == 5 and number.isdigit()

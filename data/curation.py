@@ -31,7 +31,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from flywheel.data.columnar import ShardWriter, format_params
+from flywheel.data.columnar import ShardWriter, format_params, item_order, read_rows, splits
 from flywheel.data.contamination import ContaminationCheck
 from flywheel.data.dedup import Deduplicator
 from flywheel.data.errors import StoreError
@@ -286,24 +286,20 @@ def _conversation_text(messages: list[dict[str, Any]]) -> str:
 
 
 def read_groups(store: Any, ref: str) -> Iterator[dict[str, Any]]:
-    """The groups of a `rollouts` artifact, a file at a time (files by name, each file's groups by
-    item id); a bad line is a clear error. Groups are written in completion order: sorting makes the
-    dataset (its hash, so every cache key downstream) depend on what was generated, not on which
-    rollout finished first."""
+    """The groups of a `rollouts` artifact, a part at a time, each in item-id order (Parquet shards are
+    stored so; a JSONL part from before them, in completion order, is sorted here); a bad row is a
+    clear error."""
     manifest = store.manifest(ref)
-    for relpath in sorted(p for p in manifest.files if p.endswith(".jsonl")):
-        groups = []
-        for number, line in enumerate(store.read_bytes(manifest.id, relpath).decode().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                group = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise StoreError(f"{manifest.kind}/{manifest.name}:{relpath} line {number} is not JSON: {err}") from err
-            if not isinstance(group, dict) or "scores" not in group or "messages" not in group:
-                raise StoreError(f"{manifest.kind}/{manifest.name}:{relpath} line {number} is not a scored group")
-            groups.append(group)
-        yield from sorted(groups, key=lambda group: str((group.get("meta") or {}).get("item_id", "")))
+    for split in splits(manifest):
+        groups = _scored(read_rows(store, manifest.id, "rollouts", split), f"{manifest.kind}/{manifest.name}:{split}")
+        yield from sorted(groups, key=item_order) if f"{split}.jsonl" in manifest.files else groups
+
+
+def _scored(groups: Iterable[Any], where: str) -> Iterator[dict[str, Any]]:
+    for number, group in enumerate(groups, start=1):
+        if not isinstance(group, dict) or "scores" not in group or "messages" not in group:
+            raise StoreError(f"{where} group {number} is not a scored group")
+        yield group
 
 
 def eval_texts(store: Any) -> tuple[list[str], set[str], list[str]]:

@@ -2,7 +2,7 @@
 
 A generation is a list of parts, each one env run by one actor - the env's oracle (teacher data)
 or an OpenAI-compatible server (an endpoint teacher, or the policy itself) - over a slice mix;
-all parts land in one `rollouts` artifact, a JSONL file per part.
+all parts land in one `rollouts` artifact, each part's groups as Parquet shards (`data/columnar.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from flywheel.data import ArtifactStore, Manifest
+from flywheel.data.columnar import format_params, rollouts_to_shards
 from flywheel.environments.agent.servers import server_configs
 from flywheel.environments.registry import env_class, env_name
 
@@ -30,14 +31,15 @@ class GenerationPart(BaseModel):
     model_name: str | None = Field(default=None, description="Model name at `base_url`.")
     api_key_env: str | None = Field(default=None, description="Environment variable holding its API key.")
     task_mix: dict[str, float] | None = Field(default=None, description="'category/difficulty' -> weight.")
-    label: str = Field(default="", description="Names the part's file: `<env>[-<label>].jsonl`.")
+    label: str = Field(default="", description="Names the part's shards: `<env>[-<label>]-NNNNN.parquet`.")
     seed: int | None = Field(default=None, description="Seed of its task stream (None: the generation's).")
     env_config: dict[str, Any] = Field(default_factory=dict, description="More env config (slice filters, caps).")
 
     @property
-    def filename(self) -> str:
+    def split(self) -> str:
+        """The part's name in the artifact: `<env>[-<label>]`."""
         name = env_name(self.env)
-        return f"{name}-{self.label}.jsonl" if self.label else f"{name}.jsonl"
+        return f"{name}-{self.label}" if self.label else name
 
 
 def generate_rollouts(
@@ -50,22 +52,22 @@ def generate_rollouts(
     name: str = "rollouts",
     parents: list[str] | None = None,
 ) -> Manifest:
-    """Run every part's groups of `group_size` rollouts; store the JSONL files (+ stats) as one `rollouts` artifact."""
+    """Run every part's groups of `group_size` rollouts; store their shards (+ stats) as one `rollouts` artifact."""
     if not parts:
         raise ValueError("nothing to generate: no generation part has groups")
     with tempfile.TemporaryDirectory() as tmp:
         files: dict[str, Any] = {}
         per_part = {}
         for part in parts:
-            out = Path(tmp, part.filename)
+            out = Path(tmp, f"{part.split}.jsonl")
             part_seed = seed if part.seed is None else part.seed
-            per_part[out.stem] = run_part(part, out, group_size=group_size, tokenizer=tokenizer, seed=part_seed)
-            files[out.name] = out
+            per_part[part.split] = run_part(part, out, group_size=group_size, tokenizer=tokenizer, seed=part_seed)
+            files |= {shard.name: shard for shard in rollouts_to_shards(out, Path(tmp, "shards"))}
         stats = {
             key: sum(s[key] for s in per_part.values()) for key in ("groups_written", "groups_failed", "rollouts")
         } | {"infra_failures": sum(s["infra_failures"] for s in per_part.values())}
         files["stats.json"] = json.dumps({"total": stats, "parts": per_part}, indent=2)
-        params = {
+        params = format_params("rollouts") | {
             "parts": [p.model_dump(exclude={"api_key_env"}) for p in parts],
             "group_size": group_size,
             "seed": seed,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.data import ArtifactStore, Manifest
+from flywheel.data.columnar import read_rows, splits
 from flywheel.environments.registry import env_name
 from flywheel.evaluation.weakness import stored_curriculum
 
@@ -136,9 +137,9 @@ def build_report(
     agentic = [s for s in samples if "env" in s]
     rewards = [s["reward"] for s in agentic if s.get("reward") is not None]
     for rollouts in by_kind.get("rollouts", []):
-        for path in (p for p in rollouts.files if p.endswith(".jsonl")):
-            for line in store.read_bytes(rollouts.id, path).decode().splitlines():
-                rewards.extend(json.loads(line).get("scores", []))
+        for split in splits(rollouts):
+            for group in read_rows(store, rollouts.id, "rollouts", split):
+                rewards.extend(group.get("scores") or [])
     mined = by_kind.get("weaknesses", [None])[0]
     weak = store.read_json(mined.id, "weaknesses.json") if mined else {}
     curriculum = (stored_curriculum(store, mined.id) if mined else None) or {}

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from flywheel.data import ArtifactStore, Manifest
+from flywheel.data.columnar import read_rows, splits
 from flywheel.environments.generate import GenerationPart
 from flywheel.evaluation.curriculum import (
     SOURCES,
@@ -107,10 +108,9 @@ def policy_outcomes(store: ArtifactStore, rollouts: str) -> list[dict[str, Any]]
     manifest = store.manifest(rollouts)
     out = []
     for part in (GenerationPart(**part) for part in manifest.params.get("parts", [])):
-        if part.label != SOURCES["learnable"] or part.filename not in manifest.files:
+        if part.label != SOURCES["learnable"] or part.split not in splits(manifest):
             continue  # A teacher part, or one that wrote no group.
-        for line in store.read_bytes(manifest.id, part.filename).decode().splitlines():
-            group = json.loads(line)
+        for group in read_rows(store, manifest.id, "rollouts", part.split):
             meta = group.get("meta") or {}
             row = {"source": part.env, "category": meta.get("category") or "unknown"}
             row["difficulty"] = meta.get("difficulty") or "unknown"

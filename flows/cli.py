@@ -30,6 +30,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from flywheel.data import ArtifactStore, LineageNode, Manifest, StoreError, lineage
+from flywheel.data.columnar import export_jsonl
 from flywheel.flows.cli_errors import click_error_line, failure_line
 from flywheel.flows.console import printable, stderr_handler
 from flywheel.flows.fast_malloc import reexec_with_fast_malloc
@@ -269,6 +270,17 @@ def artifacts_get(
     with _byte_progress(f"get {manifest.kind}/{manifest.name}", total=manifest.size) as progress:
         store.get(manifest.id, dest, progress=progress)
     console.print(f"{len(manifest.files)} files ({manifest.size / 1e6:.1f} MB) -> {_markup(dest)}")
+
+
+@artifacts_app.command("export")
+def artifacts_export(
+    ref: Annotated[str, typer.Argument(help="A dataset or rollouts artifact: ref, kind/name, id or id prefix.")],
+    out: Annotated[Path, typer.Argument(dir_okay=False, help="The JSONL file to write.")],
+    split: Annotated[str | None, typer.Option(help="Only this split (default: every one, in order).")] = None,
+) -> None:
+    """Write an artifact's rows (stored as Parquet shards) as JSONL, one row a line."""
+    written = export_jsonl(state.store, ref, out, split)
+    console.print(f"{written} rows -> {_markup(out)}")
 
 
 @artifacts_app.command("verify")

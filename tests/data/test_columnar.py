@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.data import ArtifactStore
-from flywheel.data.columnar import ShardWriter, format_params, read_rows
+from flywheel.data import ArtifactStore, StoreError
+from flywheel.data.columnar import ShardWriter, format_params, read_rows, rollouts_to_shards, splits
 
 
 def sft_row(number: int) -> dict:
@@ -68,5 +68,24 @@ def test_a_newer_format_version_is_refused_with_what_to_do(tmp_path: Path) -> No
     writer.write(sft_row(0))
     params = {"format": format_params("sft")["format"] | {"version": 2}}
     ref = store.put("dataset", "future", {p.name: p for p in writer.close()}, params=params).id
-    with pytest.raises(ValueError, match="format version 2; this flywheel reads version 1: upgrade"):
+    with pytest.raises(StoreError, match="format version 2; this flywheel reads version 1: upgrade"):
         list(read_rows(store, ref, "sft"))
+
+
+def test_rollout_groups_are_stored_in_item_order_and_read_back_whole(tmp_path: Path) -> None:
+    store = ArtifactStore(tmp_path / "store")
+    groups = [
+        {"tokens": [[1, 2], [3]], "masks": [[-100, 2], [3]], "scores": [1.0, 0.0], "messages": [[], []],
+         "advantages": None, "ref_logprobs": None, "group_overrides": None, "overrides": None, "images": None,
+         "meta": {"item_id": item, "env": "web", "category": "c", "difficulty": "easy", "completed": [True, False],
+                  "tools": [{"name": "t"}]}}
+        for item in ("b", "c", "a")
+    ]  # fmt: skip
+    source = tmp_path / "web-policy.jsonl"
+    source.write_text("".join(json.dumps(g) + "\n" for g in groups))
+    shards = rollouts_to_shards(source, tmp_path / "shards", rows_per_shard=2)
+    files = {p.name: p for p in shards} | {"stats.json": "{}"}
+    ref = store.put("rollouts", "r", files, params=format_params("rollouts")).id
+    assert splits(store.manifest(ref)) == ["web-policy"]
+    read = list(read_rows(store, ref, "rollouts", "web-policy"))
+    assert read == sorted(groups, key=lambda g: g["meta"]["item_id"])

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.data import ArtifactStore
+from flywheel.data.columnar import read_rows
 from flywheel.environments.generate import GenerationPart, generate_rollouts
 from flywheel.environments.task_stream import TaskStream
 from flywheel.environments.tasks import tool_use_chain_tasks
@@ -278,7 +279,8 @@ def test_unsolved_slices_get_teacher_demonstrations(tmp_path, tiny_model) -> Non
     assert set(plan) == {"teacher"}  # Nothing is learnable yet: the policy has nothing to roll.
     part = GenerationPart(env="tool_use_chain", groups=plan["teacher"]["groups"], task_mix=plan["teacher"]["mix"])
     rollouts = generate_rollouts(store, [part], group_size=2, tokenizer=str(tiny_model), seed=1)
-    groups = [json.loads(line) for line in store.read_bytes(rollouts.id, "tool_use_chain.jsonl").decode().splitlines()]
+    groups = list(read_rows(store, rollouts.id, "rollouts", "tool_use_chain"))
+    assert [g["meta"]["item_id"] for g in groups] == sorted(g["meta"]["item_id"] for g in groups)  # Stored in order.
     got = Counter(f"{g['meta']['category']}/{g['meta']['difficulty']}" for g in groups)
     assert got == {s: n for s, n in plan["teacher"]["mix"].items() if n}
     assert all(score >= 0.9 for g in groups for score in g["scores"]), [g["scores"] for g in groups]  # Solved.

@@ -15,9 +15,11 @@ import pytest
 import typer
 
 from flywheel.data import ArtifactStore
+from flywheel.data.columnar import ShardWriter, format_params
 from flywheel.flows import cli
 from flywheel.inference.server import vllm_cli
 from flywheel.training.launch import accelerate_cli
+from tests.data.test_columnar import sft_row
 from tests.data.test_store import put_chain
 
 FLYWHEEL = str(Path(sys.executable).parent / "flywheel")
@@ -85,6 +87,20 @@ def test_artifact_commands_on_both_backends(filled_store: ArtifactStore, tmp_pat
     assert (tmp_path / "out" / "train.jsonl").read_bytes() == b'{"messages": []}\n'
 
     assert run("--store", url, "artifacts", "verify").returncode == 0
+
+
+def test_export_writes_a_parquet_dataset_as_jsonl_and_names_the_splits_it_has(tmp_path: Path) -> None:
+    store = ArtifactStore(tmp_path / "store")
+    writer = ShardWriter(tmp_path / "shards", "sft")
+    for number in range(2):
+        writer.write(sft_row(number))
+    store.put("dataset", "sft-r1", {p.name: p for p in writer.close()}, params=format_params("sft"))
+    out = tmp_path / "rows.jsonl"
+    done = run("--store", store.url, "artifacts", "export", "dataset/sft-r1", str(out))
+    assert done.returncode == 0 and "2 rows" in done.stdout, done.stderr
+    assert [json.loads(line) for line in out.read_text().splitlines()] == [sft_row(0), sft_row(1)]
+    wrong = run("--store", store.url, "artifacts", "export", "dataset/sft-r1", str(out), "--split", "test")
+    assert_one_line_error(wrong, "has no split test", "it has: train")
 
 
 def test_verify_fails_on_a_corrupted_blob(filled_store: ArtifactStore) -> None:

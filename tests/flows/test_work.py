@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from flywheel.data import ArtifactStore
+from flywheel.data.columnar import read_rows
 from flywheel.evaluation.lm_eval_runner import LMEvalConfig
 from flywheel.flows import work
 from flywheel.flows.flywheel import round_inputs
@@ -23,8 +24,9 @@ def test_the_served_policy_can_be_the_teacher(model_store: ArtifactStore, tiny_m
     base = model_store.resolve("model/tiny")
     manifest = work.generate(work.GenerateParams(store_url=model_store.url, config=config, tokenizer_model=base))
     assert manifest.params["teacher"] == ["server"] and manifest.params["model"]  # The served tiny model acted.
-    lines = model_store.read_bytes(manifest.id, "tool_use_chain-teacher.jsonl").decode().splitlines()
-    assert len(lines) == 2 and all(len(json.loads(line)["scores"]) == 2 for line in lines)
+    groups = list(read_rows(model_store, manifest.id, "rollouts", "tool_use_chain-teacher"))
+    assert len(groups) == 2 and all(len(group["scores"]) == 2 for group in groups)
+    assert manifest.params["format"]["rows"] == "rollouts" and "tool_use_chain-teacher-00000.parquet" in manifest.files
 
 
 def test_an_endpoint_teacher_needs_a_url_and_a_model() -> None:
