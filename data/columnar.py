@@ -136,7 +136,7 @@ def read_rows(store: Any, ref: str, kind: str, split: str = "train") -> Iterator
     before the Parquet format (`<split>.jsonl`) reads the same."""
     manifest = store.manifest(ref)
     legacy = f"{split}.jsonl"
-    shards = sorted(p for p in manifest.files if _is_shard(p) and p.rsplit("-", 1)[0] == split)
+    shards = shard_paths(manifest, split)
     if not shards and legacy in manifest.files:
         for number, line in enumerate(store.read_bytes(manifest.id, legacy).decode().splitlines(), start=1):
             if line.strip():
@@ -157,6 +157,11 @@ def read_rows(store: Any, ref: str, kind: str, split: str = "train") -> Iterator
         table = pq.ParquetFile(io.BytesIO(store.read_bytes(manifest.id, relpath)))
         for batch in table.iter_batches():
             yield from (schema.from_record(record) for record in batch.to_pylist())
+
+
+def shard_paths(manifest: Any, split: str) -> list[str]:
+    """A split's Parquet shards in an artifact, in order."""
+    return sorted(p for p in manifest.files if _is_shard(p) and p.rsplit("-", 1)[0] == split)
 
 
 def splits(manifest: Any) -> list[str]:
@@ -187,7 +192,7 @@ def export_jsonl(store: Any, ref: str, out: Path, split: str | None = None) -> i
 
 def rollouts_to_shards(source: Path, folder: Path, rows_per_shard: int = ROWS_PER_SHARD) -> list[Path]:
     """A part's rollout groups (atroposlib's `process` JSONL, in completion order) as Parquet shards
-    named after it, in item-id order: the dataset then depends on what was generated, not on which
+    named after it, in task-stream order (`item_order`): the dataset then depends on what was generated, not on which
     rollout finished first. One part's groups are sorted in memory (a generation shard's, bounded)."""
     with source.open(encoding="utf-8") as lines:
         groups = [json.loads(line) for line in lines if line.strip()]
@@ -197,9 +202,12 @@ def rollouts_to_shards(source: Path, folder: Path, rows_per_shard: int = ROWS_PE
     return writer.close()
 
 
-def item_order(group: dict[str, Any]) -> str:
-    """The order groups are stored and read in: by their item id."""
-    return str((group.get("meta") or {}).get("item_id", ""))
+def item_order(group: dict[str, Any]) -> tuple[int, str]:
+    """The order groups are stored and read in: their place in the env's task stream (so a part
+    generated in shards of consecutive items reads as if generated whole), else their item id."""
+    meta = group.get("meta") or {}
+    index = meta.get("index")
+    return (index if isinstance(index, int) else -1, str(meta.get("item_id", "")))
 
 
 def _is_shard(path: str) -> bool:

@@ -62,8 +62,9 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 logger = logging.getLogger(__name__)
 
-# A file, a directory, or {relative path: content (bytes or text) | local file (Path)}.
-Source = str | os.PathLike[str] | Mapping[str, bytes | str | os.PathLike[str]]
+# A file, a directory, or {relative path: content (bytes or text) | local file (Path) | a blob
+# already in the store (another artifact's FileEntry: composed without copying a byte)}.
+Source = str | os.PathLike[str] | Mapping[str, bytes | str | os.PathLike[str] | FileEntry]
 
 
 class ArtifactStore:
@@ -147,7 +148,11 @@ class ArtifactStore:
         seen = self._translate(lambda: self._refs.read(ref_name))  # A corrupt ref fails now, not after the upload.
         files: dict[str, FileEntry] = {}
         for relpath, item in items:
-            files[relpath] = self.put_bytes(item) if isinstance(item, bytes) else self.put_file(item, progress)
+            if isinstance(item, FileEntry):
+                self._check_blob(item, relpath)
+                files[relpath] = item
+            else:
+                files[relpath] = self.put_bytes(item) if isinstance(item, bytes) else self.put_file(item, progress)
         manifest = Manifest(
             kind=kind,
             name=name,
@@ -159,6 +164,15 @@ class ArtifactStore:
         self._transfer.write_object(self._manifest_path(manifest.id), manifest.canonical_bytes())
         self._translate(lambda: update_ref(self._refs, ref_name, manifest.id, lambda _current: True, seen))
         return manifest
+
+    def _check_blob(self, entry: FileEntry, relpath: str) -> None:
+        """A file given as another artifact's entry names a blob of this store, at its size."""
+        path = self._blob_path(entry.sha256)
+        size = self._translate(lambda: self.fs.size(path) if self.fs.exists(path) else None)
+        if size != entry.size:
+            raise StoreError(
+                f"'{relpath}' names blob {entry.sha256[:12]} of {entry.size} bytes, which this store lacks"
+            )
 
     def get(self, ref: str, dest: str | os.PathLike[str], progress: Progress | None = None) -> Path:
         """Materialise an artifact's files under `dest` (a directory), each verified and atomic."""
@@ -394,11 +408,14 @@ class ArtifactStore:
         return translate(self.url, call, missing)
 
 
-def _source_items(source: Source) -> list[tuple[str, bytes | Path]]:
-    """(relative path, bytes or local file) pairs for a file, a directory or a mapping, all checked."""
+def _source_items(source: Source) -> list[tuple[str, bytes | Path | FileEntry]]:
+    """(relative path, bytes, local file or stored blob) pairs for a file, a directory or a mapping, all checked."""
     if isinstance(source, Mapping):
-        items = [
-            (relpath, item.encode() if isinstance(item, str) else item if isinstance(item, bytes) else Path(item))
+        items: list[tuple[str, bytes | Path | FileEntry]] = [
+            (
+                relpath,
+                item.encode() if isinstance(item, str) else item if isinstance(item, bytes | FileEntry) else Path(item),
+            )
             for relpath, item in source.items()
         ]
     else:

@@ -119,7 +119,7 @@ class StepEnvAdapter(HermesAgentBaseEnv):
         self.eval_items = [self._item(task_id, i) for i, task_id in enumerate(self.eval_ids)]
         for item in self.eval_items:  # The held-out prompts, for decontamination and the eval set's record.
             item["prompt"] = copy.deepcopy(self.prototype).reset(item["task_id"]).text
-        self.index = 0
+        self.index = self.config.first_item
 
     async def get_next_item(self) -> dict[str, Any]:
         self.index += 1

@@ -101,6 +101,9 @@ class HermesAgentEnvConfig(BaseEnvConfig):
 
     # -- tasks
     seed: int = Field(default=0, description="Seed of the training task stream.")
+    first_item: int = Field(
+        default=0, ge=0, description="Index of the first training item drawn (a generation shard starts at its range)."
+    )
     eval_seed: int = Field(default=1_000_000, description="Seed of the held-out evaluation tasks.")
     eval_size: int = Field(default=20, ge=1, description="Held-out tasks per evaluation.")
     difficulty: str | None = Field(default=None, description="Only this difficulty (None: the task mix decides).")

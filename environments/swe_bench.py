@@ -56,7 +56,7 @@ class SWEBenchEnv(TaskEnv):
         for item in self.eval_items:
             self.remember_item(item)
         self.stream = _ListStream(train)
-        self.index = 0
+        self.index = self.config.first_item
 
     async def verify(self, item: dict[str, Any], result: AgentResult, ctx: ToolContext) -> bool:
         """Every hidden check holds: generated tasks call the package's functions in a child process

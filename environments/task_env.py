@@ -39,7 +39,7 @@ class TaskEnv(HermesAgentBaseEnv):
         self.eval_items = TaskStream(*family, cfg.eval_seed, cfg.difficulty, cfg.categories).items(cfg.eval_size)
         for item in self.eval_items:
             self.remember_item(item)
-        self.index = 0
+        self.index = self.config.first_item
 
     @property
     def _eval_items(self) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ def group_meta(item: Item, outcomes: list[tuple[AgentResult, float | None]]) -> 
     """Who the group is about, for curation and weakness mining."""
     return {
         "item_id": item.get("item_id"),
+        "index": item.get("index"),  # Its place in the task stream: the order groups are stored in.
         "content_digest": content_digest(item),
         "env": item.get("env"),
         "category": item.get("category"),
