@@ -58,7 +58,7 @@ class RowSchema:
     def from_record(self, record: dict[str, Any]) -> dict[str, Any]:
         row = {name: json.loads(record[name]) for name in self.json_columns}
         row |= {name: record[name] for name, _ in self.typed_columns}
-        if "meta" not in self.json_columns:
+        if self.meta_columns and "meta" not in self.json_columns:
             row["meta"] = {name: record[name] for name, _ in self.meta_columns}
         return row
 
@@ -71,6 +71,10 @@ SCHEMAS = {
     "pairs": RowSchema(
         ("prompt", "chosen", "rejected", "tools"),
         (*_SLICE, ("chosen_reward", pa.float64()), ("rejected_reward", pa.float64())),
+    ),
+    # Curation's screened rows, between its shards and its merge (`data/curation.py`).
+    "candidates": RowSchema(
+        ("row",), (), (("kind", pa.string()), ("digest", pa.binary()), ("signature", pa.list_(pa.uint32())))
     ),
     # An Atropos scored group: token ids, masks and scores typed; what atroposlib leaves None here
     # (advantages, overrides, images) and the env's meta as JSON.
@@ -152,11 +156,15 @@ def read_rows(store: Any, ref: str, kind: str, split: str = "train") -> Iterator
             f"{manifest.kind}/{manifest.name} is in dataset format version {version}; this flywheel reads "
             f"version {SCHEMA_VERSION}: upgrade flywheel to read it"
         )
-    schema = SCHEMAS[kind]
     for relpath in shards:
-        table = pq.ParquetFile(io.BytesIO(store.read_bytes(manifest.id, relpath)))
-        for batch in table.iter_batches():
-            yield from (schema.from_record(record) for record in batch.to_pylist())
+        yield from read_shard(store, manifest.id, relpath, kind)
+
+
+def read_shard(store: Any, ref: str, relpath: str, kind: str) -> Iterator[dict[str, Any]]:
+    """One Parquet shard's rows, verified."""
+    table = pq.ParquetFile(io.BytesIO(store.read_bytes(ref, relpath)))
+    for batch in table.iter_batches():
+        yield from (SCHEMAS[kind].from_record(record) for record in batch.to_pylist())
 
 
 def shard_paths(manifest: Any, split: str) -> list[str]:

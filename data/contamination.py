@@ -7,8 +7,9 @@ two different tasks is a template, not what identifies one (the digest check sti
 task in other words). With one held-out item per category the first count alone would take a
 category's prompt template for that item's own text.
 
-It streams: training tasks are `observe`d first (only the n-grams the eval index holds are
-counted, so memory follows the eval sets, not the training data), then rows are checked.
+It streams: every training task's n-grams that the eval index holds (`eval_grams_in`, where the
+task is read) are `absorb`ed first - memory follows the eval sets and the few tasks that share
+their n-grams, not the training data - then rows are checked.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from collections import Counter
 from collections.abc import Iterable
 
 from flywheel.data.text import ngrams
+
+
+def task_key(text: str, digest: str | None = None) -> str:
+    """A training task's identity: its content digest, else a hash of its text."""
+    return digest or hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 class ContaminationCheck:
@@ -30,18 +36,21 @@ class ContaminationCheck:
         self._docs = [{gram for gram in doc if df[gram] < boilerplate_items} for doc in grams]
         self._candidates = set().union(*self._docs)  # The only n-grams training tasks are counted for.
         self._in_training: Counter[tuple[str, ...]] = Counter()  # Distinct training tasks per eval n-gram.
-        self._tasks_seen: set[bytes] = set()
+        self._tasks_seen: set[str] = set()
         self._index: dict[tuple[str, ...], list[int]] | None = None
 
-    def observe(self, text: str, digest: str | None = None) -> None:
-        """Count a training task's n-grams (once per distinct task) before any row is checked."""
+    def eval_grams_in(self, text: str) -> list[tuple[str, ...]]:
+        """The n-grams of `text` the eval index counts (all a training task can add to those counts)."""
+        return sorted(gram for gram in set(ngrams(text, self.n)) if gram in self._candidates)
+
+    def absorb(self, tasks: dict[str, list[tuple[str, ...]]]) -> None:
+        """Count tasks observed elsewhere (`task_key` -> `eval_grams_in`), each distinct task once."""
         if self._index is not None:
-            raise RuntimeError("observe() after contaminated(): every training task must be seen first")
-        key = hashlib.sha256((digest or text).encode()).digest()
-        if key in self._tasks_seen:
-            return
-        self._tasks_seen.add(key)
-        self._in_training.update(gram for gram in set(ngrams(text, self.n)) if gram in self._candidates)
+            raise RuntimeError("absorb() after contaminated(): every training task must be seen first")
+        for key, grams in tasks.items():
+            if key not in self._tasks_seen:
+                self._tasks_seen.add(key)
+                self._in_training.update(tuple(gram) for gram in grams)
 
     def contaminated(self, text: str, digest: str | None = None) -> bool:
         if digest is not None and digest in self.digests:  # The same task, whatever its text.

@@ -21,20 +21,23 @@ Filters, in order, each counted in the card:
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, Field
 
-from flywheel.data.columnar import ShardWriter, format_params, item_order, read_rows, splits
-from flywheel.data.contamination import ContaminationCheck
+from flywheel.data.columnar import ShardWriter, format_params, item_order, read_rows, read_shard, shard_paths, splits
+from flywheel.data.contamination import ContaminationCheck, task_key
 from flywheel.data.dedup import Deduplicator
 from flywheel.data.errors import StoreError
+from flywheel.data.store import ArtifactStore
 
 
 class CurationConfig(BaseModel):
@@ -84,6 +87,17 @@ class CurationStats:
     per_env: Counter[str] = field(default_factory=Counter)
     preference_pairs: int = 0
 
+    def screened(self) -> dict[str, Any]:
+        """What screening counted (a shard's share of the card)."""
+        return {"removed": dict(self.removed), "groups_seen": self.groups_seen, "rollouts_seen": self.rollouts_seen,
+                "reward_bins": dict(self.reward_bins)}  # fmt: skip
+
+    def add_screened(self, screened: dict[str, Any]) -> None:
+        self.removed.update(screened["removed"])
+        self.groups_seen += screened["groups_seen"]
+        self.rollouts_seen += screened["rollouts_seen"]
+        self.reward_bins.update({int(b): n for b, n in screened["reward_bins"].items()})
+
     def card(self) -> dict[str, Any]:
         """Counts per slice, reward histogram and what each filter removed."""
         return {
@@ -98,33 +112,83 @@ class CurationStats:
         }
 
 
+@dataclass
+class Candidate:
+    """A row past the filters, waiting for de-duplication (`sft`: its fingerprint) and decontamination."""
+
+    kind: str  # "sft" or "pairs"
+    row: dict[str, Any]
+    digest: bytes = b""
+    signature: np.ndarray | None = None
+
+    def to_record(self) -> dict[str, Any]:
+        signature = self.signature.tolist() if self.signature is not None else None
+        return {"kind": self.kind, "row": self.row, "digest": self.digest, "signature": signature}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Candidate:
+        signature = record["signature"]
+        return cls(
+            record["kind"],
+            record["row"],
+            record["digest"],
+            None if signature is None else np.array(signature, np.uint32),
+        )
+
+    def to_json(self) -> str:
+        signature = self.signature.tolist() if self.signature is not None else None
+        return json.dumps([self.kind, self.row, self.digest.hex(), signature], ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, line: str) -> Candidate:
+        kind, row, digest, signature = json.loads(line)
+        return cls(kind, row, bytes.fromhex(digest), None if signature is None else np.array(signature, np.uint32))
+
+
 class Curator:
-    """Curation that streams: `add` each group (filters, de-duplication), then `rows()` yields the SFT
-    rows and preference pairs that pass decontamination. Candidates wait for it in a spool file, not
-    in memory: decontamination needs every training task seen first (what two share is template)."""
+    """Curation that streams, in two steps that can run apart: `screen` a group (filters, fingerprints,
+    the training task noted for decontamination) into candidates, then `select` from the candidates in
+    order (de-duplication, decontamination). `add` and `rows()` do both here, the candidates waiting
+    in a spool file, not in memory: decontamination needs every training task seen first (what two
+    share is template). Sharded, each shard screens its groups and one merge selects (`curate_shards`)."""
 
     def __init__(
         self, eval_texts: Iterable[str], config: CurationConfig | None = None, eval_digests: set[str] | None = None
     ) -> None:
         self.config = config = config or CurationConfig()
         self.stats = CurationStats()
-        self._dedup = Deduplicator(config.near_duplicate_jaccard, config.shingle_words, config.minhash_permutations)
-        self._contamination = ContaminationCheck(
+        self.dedup = Deduplicator(config.near_duplicate_jaccard, config.shingle_words, config.minhash_permutations)
+        self.contamination = ContaminationCheck(
             eval_texts,
             config.contamination_ngram,
             config.contamination_overlap,
             config.boilerplate_items,
             eval_digests or set(),
         )
+        self.tasks: dict[str, list[tuple[str, ...]]] = {}  # Training tasks screened: key -> eval n-grams in it.
         self._spool = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115 - lives as long as self; rows() closes it.
 
     def add(self, group: dict[str, Any]) -> None:
-        """Run one scored group through rejection sampling, top-n and de-duplication."""
+        """Screen one group; its candidates wait in the spool."""
+        for candidate in self.screen(group):
+            self._spool.write(candidate.to_json() + "\n")
+
+    def rows(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(`sft` | `pairs`, row) of the groups added, in order, de-duplicated and decontaminated."""
+        self._spool.seek(0)
+        yield from self.select(Candidate.from_json(line) for line in self._spool)
+        self._spool.close()
+
+    def screen(self, group: dict[str, Any]) -> Iterator[Candidate]:
+        """Rejection sampling, spread and top-n of one scored group (counted in `stats`): its preference
+        pair and SFT rows, each SFT row fingerprinted."""
         config, stats = self.config, self.stats
         stats.groups_seen += 1
         meta = group.get("meta") or {}
-        if group.get("messages"):
-            self._contamination.observe(_task_text(group["messages"][0]), meta.get("content_digest"))
+        if group.get("messages"):  # Only a task that shares n-grams with an eval item can change what is rare.
+            text = _task_text(group["messages"][0])
+            if grams := self.contamination.eval_grams_in(text):
+                self.tasks.setdefault(task_key(text, meta.get("content_digest")), grams)
         scores = [float(s) for s in group.get("scores") or []]
         completed = meta.get("completed") or [s >= 1.0 for s in scores]
         rollouts = [
@@ -143,7 +207,7 @@ class Curator:
             return
         pair = preference_pair(rollouts, meta, config.pair_min_gap)
         if pair is not None:
-            self._spool_row("pairs", pair)
+            yield Candidate("pairs", pair)
         scores = [r["score"] for r in rollouts]
         if config.min_group_spread > 0 and max(scores) - min(scores) < config.min_group_spread:
             stats.removed["low_spread"] += len(rollouts)
@@ -156,20 +220,23 @@ class Curator:
         for rollout in good[: config.top_n_per_group]:
             row = _sft_row(rollout, meta)
             exact_key = json.dumps(row["messages"], sort_keys=True)
-            duplicate = self._dedup.duplicate(exact_key, _conversation_text(row["messages"]))
-            if duplicate:
-                stats.removed[duplicate] += 1
-            else:
-                self._spool_row("sft", row)
+            yield Candidate("sft", row, *self.dedup.fingerprint(exact_key, _conversation_text(row["messages"])))
 
-    def rows(self) -> Iterator[tuple[str, dict[str, Any]]]:
-        """(`sft` | `pairs`, row) in the order they were kept, each decontaminated (counted in `stats`)."""
-        self._spool.seek(0)
-        for line in self._spool:
-            kind, row = json.loads(line)
-            prompt = row["messages"] if kind == "sft" else row["prompt"]
+    def select(self, candidates: Iterable[Candidate]) -> Iterator[tuple[str, dict[str, Any]]]:
+        """De-duplicate the SFT candidates against those kept before them and decontaminate every
+        candidate against the tasks screened (here, or absorbed from the shards' `tasks`)."""
+        self.contamination.absorb(self.tasks)
+        for candidate in candidates:
+            kind, row = candidate.kind, candidate.row
+            if kind == "sft":
+                assert candidate.signature is not None  # Every SFT candidate is fingerprinted.
+                duplicate = self.dedup.duplicate(candidate.digest, candidate.signature)
+                if duplicate:
+                    self.stats.removed[duplicate] += 1
+                    continue
             meta = row["meta"]
-            if self._contamination.contaminated(_task_text(prompt), meta.get("content_digest")):
+            prompt = row["messages"] if kind == "sft" else row["prompt"]
+            if self.contamination.contaminated(_task_text(prompt), meta.get("content_digest")):
                 if kind == "sft":  # The card counts rollouts removed; a dropped pair is no rollout lost.
                     self.stats.removed["contaminated"] += 1
                 continue
@@ -179,10 +246,6 @@ class Curator:
             else:
                 self.stats.preference_pairs += 1
             yield kind, row
-        self._spool.close()
-
-    def _spool_row(self, kind: str, row: dict[str, Any]) -> None:
-        self._spool.write(json.dumps([kind, row], ensure_ascii=False) + "\n")
 
 
 @dataclass
@@ -286,13 +349,33 @@ def _conversation_text(messages: list[dict[str, Any]]) -> str:
 
 
 def read_groups(store: Any, ref: str) -> Iterator[dict[str, Any]]:
-    """The groups of a `rollouts` artifact, a part at a time, each in item-id order (Parquet shards are
-    stored so; a JSONL part from before them, in completion order, is sorted here); a bad row is a
+    """The groups of a `rollouts` artifact, a part at a time, in task-stream order; a bad row is a
     clear error."""
+    for shard in rollout_shards(store, [ref]):
+        yield from shard_groups(store, shard)
+
+
+def rollout_shards(store: Any, refs: list[str]) -> list[tuple[str, str]]:
+    """(artifact id, file) of every shard of the rollouts, in reading order: a Parquet shard, or a
+    whole JSONL part from before them."""
+    shards = []
+    for ref in refs:
+        manifest = store.manifest(ref)
+        for split in splits(manifest):
+            legacy = f"{split}.jsonl"
+            shards += [(manifest.id, path) for path in shard_paths(manifest, split) or [legacy]]
+    return shards
+
+
+def shard_groups(store: Any, shard: tuple[str, str]) -> Iterator[dict[str, Any]]:
+    """One shard's groups; a JSONL part (in completion order) sorted like the Parquet ones."""
+    ref, relpath = shard
     manifest = store.manifest(ref)
-    for split in splits(manifest):
-        groups = _scored(read_rows(store, manifest.id, "rollouts", split), f"{manifest.kind}/{manifest.name}:{split}")
-        yield from sorted(groups, key=item_order) if f"{split}.jsonl" in manifest.files else groups
+    where = f"{manifest.kind}/{manifest.name}:{relpath}"
+    if relpath.endswith(".jsonl"):
+        yield from sorted(_scored(read_rows(store, ref, "rollouts", relpath[:-6]), where), key=item_order)
+    else:
+        yield from _scored(read_shard(store, ref, relpath, "rollouts"), where)
 
 
 def _scored(groups: Iterable[Any], where: str) -> Iterator[dict[str, Any]]:
@@ -300,6 +383,25 @@ def _scored(groups: Iterable[Any], where: str) -> Iterator[dict[str, Any]]:
         if not isinstance(group, dict) or "scores" not in group or "messages" not in group:
             raise StoreError(f"{where} group {number} is not a scored group")
         yield group
+
+
+def screen_shard(store_url: str, shard: tuple[str, str], *, config: CurationConfig, name: str) -> str:
+    """Screen one rollouts shard into a `candidates` artifact (a task on any worker that reaches the
+    store): its rows with fingerprints, what screening counted, the tasks noted for decontamination."""
+    store = ArtifactStore(store_url)
+    texts, digests, _ = eval_texts(store)
+    curator = Curator(texts, config, digests)
+    with tempfile.TemporaryDirectory(prefix="flywheel-screen-") as tmp:
+        writer = ShardWriter(Path(tmp), "candidates", split="candidates")
+        for group in shard_groups(store, shard):
+            for candidate in curator.screen(group):
+                writer.write(candidate.to_record())
+        files: dict[str, Any] = {path.name: path for path in writer.close()}
+        files["screened.json"] = json.dumps({"stats": curator.stats.screened(), "tasks": curator.tasks})
+        return store.put("candidates", name, files, parents=[shard[0]], params=config.model_dump()).id
+
+
+ShardMap = Callable[[Callable[[tuple[str, str]], str], list[tuple[str, str]]], list[str]]
 
 
 def eval_texts(store: Any) -> tuple[list[str], set[str], list[str]]:
@@ -320,23 +422,43 @@ def eval_texts(store: Any) -> tuple[list[str], set[str], list[str]]:
 
 
 def curate_to_store(
-    store: Any, rollout_refs: list[str], sft_name: str, pairs_name: str, config: CurationConfig | None = None
+    store: Any,
+    rollout_refs: list[str],
+    sft_name: str,
+    pairs_name: str,
+    config: CurationConfig | None = None,
+    map_shards: ShardMap | None = None,
 ) -> tuple[Any, Any]:
     """Curate rollout artifacts into `dataset/<sft_name>` and `dataset/<pairs_name>` (Parquet shards
-    and data cards), streaming: a rollouts file, the index and a shard in memory at a time."""
+    and data cards), streaming: a rollouts shard, the index and a dataset shard in memory at a time.
+    With `map_shards`, each rollouts shard is screened by it (`screen_shard`, e.g. on a cluster) and
+    the candidates are selected here, in the same order: the same datasets either way."""
     config = config or CurationConfig()
     texts, digests, evalset_ids = eval_texts(store)
     curator = Curator(texts, config, digests)
-    for ref in rollout_refs:
-        for group in read_groups(store, ref):
-            curator.add(group)
+    parents = [store.resolve(ref) for ref in rollout_refs] + evalset_ids
+    if map_shards is None:
+        for ref in rollout_refs:
+            for group in read_groups(store, ref):
+                curator.add(group)
+        rows = curator.rows()
+    else:
+        screen = functools.partial(screen_shard, store.url, config=config, name=f"{sft_name}-screened")
+        screened = map_shards(screen, rollout_shards(store, rollout_refs))
+        for ref in screened:
+            record = store.read_json(ref, "screened.json")
+            curator.stats.add_screened(record["stats"])
+            for key, grams in record["tasks"].items():
+                curator.tasks.setdefault(key, grams)
+        records = (row for ref in screened for row in read_rows(store, ref, "candidates", "candidates"))
+        rows = curator.select(Candidate.from_record(record) for record in records)
+        parents += screened
     with tempfile.TemporaryDirectory(prefix="flywheel-curate-") as tmp:
         writers = {kind: ShardWriter(Path(tmp, kind), kind) for kind in ("sft", "pairs")}
-        for kind, row in curator.rows():
+        for kind, row in rows:
             writers[kind].write(row)
         shards = {kind: writer.close() for kind, writer in writers.items()}
         card = curator.stats.card()
-        parents = [store.resolve(ref) for ref in rollout_refs] + evalset_ids
         cards = {"data_card.json": json.dumps(card, indent=2), "data_card.md": _card_md(card)}
         made = []
         for kind, name in (("sft", sft_name), ("pairs", pairs_name)):

@@ -36,17 +36,21 @@ class Deduplicator:
         self._kept = 0
         self._digests: set[bytes] = set()
 
-    def duplicate(self, exact_key: str, text: str) -> str | None:
-        """`exact_duplicate` when `exact_key` was seen, `near_duplicate` when `text` is within the
-        threshold of a kept row's, None for a new row (now kept)."""
+    def fingerprint(self, exact_key: str, text: str) -> tuple[bytes, np.ndarray]:
+        """What `duplicate` compares: a digest of `exact_key` and the MinHash of `text`'s shingles (the
+        costly part, so it can run where the row is read, apart from the decisions)."""
         digest = hashlib.blake2b(exact_key.encode(), digest_size=16).digest()
-        if digest in self._digests:
-            return "exact_duplicate"
-        self._digests.add(digest)
         template = self._template
         minhash = MinHash(len(template), permutations=template.permutations, scheme=template.scheme)
         minhash.update_batch([shingle.encode() for shingle in shingles(text, self.shingle_words)])
-        signature = minhash.hashvalues.astype(np.uint32)
+        return digest, minhash.hashvalues.astype(np.uint32)
+
+    def duplicate(self, digest: bytes, signature: np.ndarray) -> str | None:
+        """`exact_duplicate` when the digest was seen, `near_duplicate` when the signature is within the
+        threshold of a kept row's, None for a new row (now kept)."""
+        if digest in self._digests:
+            return "exact_duplicate"
+        self._digests.add(digest)
         keys = self._band_keys(signature)
         for row in self._bands.rows(keys):
             if np.mean(self._signatures[row // BLOCK][row % BLOCK] == signature) >= self.threshold:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from flywheel.data import ArtifactStore, StoreError
-from flywheel.data.columnar import read_rows
+from flywheel.data.columnar import format_params, read_rows, rollouts_to_shards
 from flywheel.data.curation import CurationConfig, curate, curate_to_store
 
 LONG = " ".join(f"word{i}" for i in range(60))
@@ -147,6 +148,31 @@ def test_curate_to_store_records_lineage_and_card(store: ArtifactStore) -> None:
     assert "contaminated" in store.read_bytes(sft.id, "data_card.md").decode()
     assert len(list(read_rows(store, pairs.id, "pairs"))) == 1
     assert sft.params["format"]["version"] == 1 and "messages: string" in sft.params["format"]["schema"]
+
+
+def test_curation_screened_in_shards_makes_the_same_datasets(tmp_path: Path) -> None:
+    """Each rollouts shard screened apart (as on a cluster), the candidates selected in one merge: the
+    rows, their order and the card equal a curation in one pass (near-duplicates across shards too)."""
+    store = ArtifactStore(tmp_path / "store")
+    source = tmp_path / "tool_use_chain-teacher.jsonl"
+    source.write_text("".join(json.dumps(g) + "\n" for g in hand_built()))
+    files = {p.name: p for p in rollouts_to_shards(source, tmp_path / "shards", rows_per_shard=2)}
+    files["web-teacher.jsonl"] = json.dumps(group("w1", [(convo("Web task", "answer"), 1.0)])) + "\n"  # A JSONL part.
+    store.put("rollouts", "r1", files, params=format_params("rollouts"))
+    store.put("evalset", "agentic", {"items.jsonl": json.dumps({"prompt": EVAL_PROMPT}) + "\n"})
+    whole = curate_to_store(store, ["rollouts/r1"], "sft-whole", "pairs-whole")
+    ran: list[tuple[str, str]] = []
+
+    def in_turn(screen, shards):
+        ran.extend(shards)
+        return [screen(shard) for shard in shards]
+
+    sharded = curate_to_store(store, ["rollouts/r1"], "sft-sharded", "pairs-sharded", map_shards=in_turn)
+    assert len(ran) == 5 and ran[-1][1] == "web-teacher.jsonl"  # 4 Parquet shards of 7 groups, 1 JSONL part.
+    for kind, (a, b) in (("sft", (whole[0], sharded[0])), ("pairs", (whole[1], sharded[1]))):
+        assert list(read_rows(store, b.id, kind)) == list(read_rows(store, a.id, kind))
+    assert sharded[0].metrics == whole[0].metrics and whole[0].metrics["removed"]["near_duplicate"] == 1
+    assert {store.manifest(p).kind for p in sharded[0].parents} == {"rollouts", "evalset", "candidates"}
 
 
 def test_a_bad_rollout_line_fails_clearly_and_stores_nothing(store: ArtifactStore) -> None:
