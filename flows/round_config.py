@@ -148,6 +148,27 @@ class GenerateSection(BaseModel):
         return self
 
 
+class DataSection(BaseModel):
+    """Where generation and curation run: in the stage's process, or in shards on a Dask cluster."""
+
+    model_config = _FORBID
+
+    runner: Literal["process", "dask"] = Field(
+        default="process",
+        description="process: in the stage's own process; dask: generation and curation shards as Prefect tasks "
+        "on a Dask cluster (prefect-dask), merged by the store into the same artifacts.",
+    )
+    address: str | None = Field(
+        default=None,
+        description="A running Dask scheduler (`tcp://host:8786`) whose workers reach the store (and a served "
+        "model's URL); None: a local cluster of `workers` processes, started for the stage.",
+    )
+    workers: int = Field(default=2, ge=1, description="Processes of the local Dask cluster.")
+    shard_groups: int = Field(
+        default=64, ge=1, description="Generation groups a shard (with `runner: dask`; a bigger part is cut)."
+    )
+
+
 class CurriculumSection(CurriculumConfig):
     """The mine stage's curriculum: `CurriculumConfig` plus how the next round's data is chosen."""
 
@@ -225,6 +246,7 @@ class RoundConfig(BaseModel):
     )
     gate: GateSection = Field(default_factory=GateSection, description="Promotion gate (GateConfig fields).")
     curriculum: CurriculumSection = Field(default_factory=CurriculumSection, description="The next round's curriculum.")
+    data: DataSection = Field(default_factory=DataSection, description="Where generation and curation run.")
 
     @model_validator(mode="after")
     def _every_env_has_a_category(self) -> RoundConfig:

@@ -27,6 +27,7 @@ from flywheel.evaluation.lm_eval_runner import LMEvalConfig, model_ref_of, run_l
 from flywheel.evaluation.report import build_report
 from flywheel.evaluation.weakness import CurriculumSpec, mine_to_store
 from flywheel.flows.round_config import RoundConfig
+from flywheel.flows.shards import shard_map
 from flywheel.inference import ModelServer, ServerConfig
 from flywheel.inference.server import gpu_python
 from flywheel.training.config import TrainConfig
@@ -145,8 +146,10 @@ def generate(params: GenerateParams) -> Manifest:
                     )  # fmt: skip
         name = round_name("rollouts", params.round_no)
         return generate_rollouts(
-            store, parts, group_size=p.generate.group_size, tokenizer=str(model_dir), seed=params.round_no, name=name
-        )
+            store, parts, group_size=p.generate.group_size, tokenizer=str(model_dir), seed=params.round_no, name=name,
+            shard_groups=p.data.shard_groups if p.data.runner == "dask" else None,
+            map_shards=shard_map(p.data, "generate"),
+        )  # fmt: skip
 
 
 def uniform_plan(p: RoundConfig) -> dict[str, dict[str, Any]]:
@@ -170,7 +173,9 @@ def _turn_caps(p: RoundConfig, source: str) -> dict[str, Any]:
 def curate(params: CurateParams) -> Manifest:
     """Rollouts -> SFT set (returned) and preference pairs, with their data cards."""
     n = params.round_no
-    return curate_to_store(params.store(), [params.rollouts], round_name("sft", n), round_name("pairs", n))[0]
+    names = round_name("sft", n), round_name("pairs", n)
+    mapped = shard_map(params.config.data, "curate")
+    return curate_to_store(params.store(), [params.rollouts], *names, map_shards=mapped)[0]
 
 
 def sft_config(params: SFTParams) -> SFTRunConfig:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from prefect.settings import PREFECT_API_URL, temporary_settings
 from pydantic import ValidationError
 
 from flywheel.data import ArtifactStore
@@ -16,6 +17,7 @@ from flywheel.flows import work
 from flywheel.flows.flywheel import round_inputs
 from flywheel.flows.round_config import GenerateSection, load_round_config, profile
 from flywheel.training.config import ConfigError
+from tests.flows.conftest import task_runs
 
 
 def test_the_served_policy_can_be_the_teacher(model_store: ArtifactStore, tiny_model, model_cache, monkeypatch) -> None:
@@ -27,6 +29,32 @@ def test_the_served_policy_can_be_the_teacher(model_store: ArtifactStore, tiny_m
     groups = list(read_rows(model_store, manifest.id, "rollouts", "tool_use_chain-teacher"))
     assert len(groups) == 2 and all(len(group["scores"]) == 2 for group in groups)
     assert manifest.params["format"]["rows"] == "rollouts" and "tool_use_chain-teacher-00000.parquet" in manifest.files
+
+
+def test_generation_and_curation_sharded_on_dask_make_the_same_sft_set(
+    model_store: ArtifactStore, tiny_model, model_cache, prefect_server: dict[str, str], monkeypatch
+) -> None:
+    """`data.runner: dask`: each part cut into shards of 2 groups, generated and screened as Prefect
+    tasks on a local Dask cluster of 2 processes, merged by the store: the SFT set a stage in one
+    process makes, row for row."""
+    monkeypatch.setenv("FLYWHEEL_CACHE", str(model_cache))
+    for key, value in prefect_server.items():  # The cluster's worker processes report to the same server.
+        monkeypatch.setenv(key, value)
+    base = model_store.resolve("model/tiny")
+    made = {}
+    for runner in ("process", "dask"):
+        overrides = ["envs=[tool_use_chain,function_calling]", "generate.groups=6", f"data.runner={runner}"]
+        config = load_round_config("tiny", overrides=[*overrides, "data.shard_groups=2"])
+        common = {"store_url": model_store.url, "config": config, "round_no": 7}
+        with temporary_settings(updates={PREFECT_API_URL: prefect_server["PREFECT_API_URL"]}):
+            rollouts = work.generate(work.GenerateParams(**common, tokenizer_model=base))
+            made[runner] = (rollouts, work.curate(work.CurateParams(**common, rollouts=rollouts.id)))
+    (whole, sft), (sharded, sharded_sft) = made["process"], made["dask"]
+    assert len(sharded.params["shards"]) == 4 and "shards" not in whole.params  # 3 groups an env: 2 + 1.
+    assert list(read_rows(model_store, sharded_sft.id, "sft")) == list(read_rows(model_store, sft.id, "sft"))
+    assert sft.metrics["sft_examples"] >= 4
+    names = {run["name"] for run in task_runs(prefect_server, name={"like_": "-shard-"})}
+    assert {f"{stage}-shard-{n}" for stage in ("generate", "curate") for n in range(4)} <= names  # In the UI.
 
 
 def test_an_endpoint_teacher_needs_a_url_and_a_model() -> None:
