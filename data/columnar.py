@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flywheel.data.errors import StoreError
+
+ShardMap = Callable[[Callable[[Any], str], list[Any]], list[str]]
+"""Runs a stage's shards (`run(shard) -> artifact id` each) and returns their ids in the shards' order:
+in turn here, or as tasks on a cluster (`flows/shards.py`)."""
 
 SCHEMA_VERSION = 1
 ROWS_PER_SHARD = 10_000

@@ -25,7 +25,7 @@ import functools
 import json
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,16 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, Field
 
-from flywheel.data.columnar import ShardWriter, format_params, item_order, read_rows, read_shard, shard_paths, splits
+from flywheel.data.columnar import (
+    ShardMap,
+    ShardWriter,
+    format_params,
+    item_order,
+    read_rows,
+    read_shard,
+    shard_paths,
+    splits,
+)
 from flywheel.data.contamination import ContaminationCheck, task_key
 from flywheel.data.dedup import Deduplicator
 from flywheel.data.errors import StoreError
@@ -399,9 +408,6 @@ def screen_shard(store_url: str, shard: tuple[str, str], *, config: CurationConf
         files: dict[str, Any] = {path.name: path for path in writer.close()}
         files["screened.json"] = json.dumps({"stats": curator.stats.screened(), "tasks": curator.tasks})
         return store.put("candidates", name, files, parents=[shard[0]], params=config.model_dump()).id
-
-
-ShardMap = Callable[[Callable[[tuple[str, str]], str], list[tuple[str, str]]], list[str]]
 
 
 def eval_texts(store: Any) -> tuple[list[str], set[str], list[str]]:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from flywheel.data import ArtifactStore, Manifest
-from flywheel.data.columnar import format_params, rollouts_to_shards, shard_paths, splits
+from flywheel.data.columnar import ShardMap, format_params, rollouts_to_shards, shard_paths, splits
 from flywheel.environments.agent.servers import server_configs
 from flywheel.environments.registry import env_class, env_name
 
@@ -43,9 +43,6 @@ class GenerationPart(BaseModel):
         """The part's name in the artifact: `<env>[-<label>]`."""
         name = env_name(self.env)
         return f"{name}-{self.label}" if self.label else name
-
-
-ShardMap = Callable[[Callable[[GenerationPart], str], list[GenerationPart]], list[str]]
 
 
 def generate_rollouts(

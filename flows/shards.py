@@ -11,10 +11,11 @@ from typing import Any
 from prefect import flow, task
 from prefect_dask import DaskTaskRunner
 
+from flywheel.data.columnar import ShardMap
 from flywheel.flows.round_config import DataSection
 
 
-def shard_map(section: DataSection, stage: str) -> Callable[[Callable[[Any], str], list[Any]], list[str]] | None:
+def shard_map(section: DataSection, stage: str) -> ShardMap | None:
     """The map a stage's shards run through (None: in the stage's own process)."""
     if section.runner == "process":
         return None

@@ -28,6 +28,7 @@ from flywheel.flows import work
 from flywheel.flows.heartbeats import end_heartbeats_without_waiting
 from flywheel.flows.infra import GPU_LIMIT, limit_exists
 from flywheel.flows.round_config import RoundConfig
+from flywheel.flows.shards import shard_map
 from flywheel.flows.ui import EvalProgress, ProgressArtifact, artifact_link, markdown, metrics_table, stage_run_name
 from flywheel.flows.work import (
     CurateParams,
@@ -78,7 +79,7 @@ def gpu_slots(config: RoundConfig) -> Iterator[None]:
 @stage_flow("generate")
 def generate(params: GenerateParams) -> str:
     """Rollouts in `process` mode as the curriculum plans: the teacher on unsolved slices, the policy on learnable."""
-    manifest = work.generate(params)
+    manifest = work.generate(params, shard_map(params.config.data, "generate"))
     metrics_table(manifest, "rollout-stats", f"Rollout statistics, round {params.round_no}")
     return manifest.id
 
@@ -86,7 +87,7 @@ def generate(params: GenerateParams) -> str:
 @stage_flow("curate")
 def curate(params: CurateParams) -> str:
     """Rollouts -> SFT set and preference pairs, with their data cards."""
-    manifest = work.curate(params)
+    manifest = work.curate(params, shard_map(params.config.data, "curate"))
     metrics_table(manifest, "data-card", f"Data card of dataset/{manifest.name}")
     return manifest.id
 

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from flywheel.data import ArtifactStore, Manifest
+from flywheel.data.columnar import ShardMap
 from flywheel.data.costs import counting_process, track_costs
 from flywheel.data.curation import curate_to_store
 from flywheel.environments.generate import GenerationPart, generate_rollouts
@@ -27,7 +28,6 @@ from flywheel.evaluation.lm_eval_runner import LMEvalConfig, model_ref_of, run_l
 from flywheel.evaluation.report import build_report
 from flywheel.evaluation.weakness import CurriculumSpec, mine_to_store
 from flywheel.flows.round_config import RoundConfig
-from flywheel.flows.shards import shard_map
 from flywheel.inference import ModelServer, ServerConfig
 from flywheel.inference.server import gpu_python
 from flywheel.training.config import TrainConfig
@@ -110,7 +110,7 @@ class ReportParams(StageParams):
 
 
 @track_costs()
-def generate(params: GenerateParams) -> Manifest:
+def generate(params: GenerateParams, map_shards: ShardMap | None = None) -> Manifest:
     """Rollouts in `process` mode as the curriculum's plan says: the teacher on unsolved slices, the
     round's base model, served, on learnable and (replayed) mastered ones; no plan: the teacher on all."""
     p, store = params.config, params.store()
@@ -148,7 +148,7 @@ def generate(params: GenerateParams) -> Manifest:
         return generate_rollouts(
             store, parts, group_size=p.generate.group_size, tokenizer=str(model_dir), seed=params.round_no, name=name,
             shard_groups=p.data.shard_groups if p.data.runner == "dask" else None,
-            map_shards=shard_map(p.data, "generate"),
+            map_shards=map_shards,
         )  # fmt: skip
 
 
@@ -170,12 +170,12 @@ def _turn_caps(p: RoundConfig, source: str) -> dict[str, Any]:
     return {"max_token_length": p.max_token_length, "max_agent_turns": p.max_agent_turns}
 
 
-def curate(params: CurateParams) -> Manifest:
-    """Rollouts -> SFT set (returned) and preference pairs, with their data cards."""
+def curate(params: CurateParams, map_shards: ShardMap | None = None) -> Manifest:
+    """Rollouts -> SFT set (returned) and preference pairs, with their data cards; `map_shards` screens
+    the rollouts' shards (the stage flow's Dask map under `data.runner: dask`)."""
     n = params.round_no
     names = round_name("sft", n), round_name("pairs", n)
-    mapped = shard_map(params.config.data, "curate")
-    return curate_to_store(params.store(), [params.rollouts], *names, map_shards=mapped)[0]
+    return curate_to_store(params.store(), [params.rollouts], *names, map_shards=map_shards)[0]
 
 
 def sft_config(params: SFTParams) -> SFTRunConfig:

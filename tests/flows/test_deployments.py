@@ -17,6 +17,7 @@ import pytest
 
 from flywheel.data import ArtifactStore, lineage
 from flywheel.flows.local_server import prefect_bin, workers
+from flywheel.flows.round_config import load_round_config
 from flywheel.flows.stages import STAGES
 from tests.conftest import TEST_BUCKET
 from tests.flows.conftest import flow_runs
@@ -82,9 +83,13 @@ def deployment_run(env: dict[str, str], name: str, **params: str) -> subprocess.
 
 @pytest.fixture(scope="module")
 def full_round(deployed: dict) -> dict:
-    """`prefect deployment run flywheel/full` (tiny profile) to completion."""
+    """`prefect deployment run flywheel/full` (tiny profile) to completion, its generation and curation
+    in shards of 2 groups on a local Dask cluster (`data.runner: dask`)."""
     env = deployed["env"]
-    result = deployment_run(env, "flywheel/full", profile="tiny", store_url=deployed["store_url"])
+    config = load_round_config("tiny", overrides=["data.runner=dask", "data.shard_groups=2", "data.workers=2"])
+    result = deployment_run(
+        env, "flywheel/full", profile="tiny", store_url=deployed["store_url"], config=config.model_dump_json()
+    )
     worker_logs = "".join(p.read_text()[-3000:] for p in deployed["logs"].glob("*.log"))
     assert result.returncode == 0, result.stdout[-3000:] + worker_logs
     return deployed
@@ -113,6 +118,8 @@ def test_every_artifact_and_its_lineage_is_in_the_s3_store(full_round: dict) -> 
     walked = {(m.kind, m.name) for m in lineage(store, "report/report-r1").walk()}
     assert {("checkpoint", "rl-r1"), ("checkpoint", "sft-r1"), ("dataset", "sft-r1"), ("model", "tiny")} <= walked
     assert ("rollouts", "rollouts-r1") in walked
+    rollouts = store.manifest("rollouts/rollouts-r1")
+    assert len(rollouts.params["shards"]) == 2 and ("candidates", "sft-r1-screened") in walked  # 4 groups: 2 + 2.
     assert store.verify() == []
     assert store.fs.exists(f"{store.root}/prefect-results")  # The stage cache lives with the artifacts.
 

@@ -16,6 +16,7 @@ from flywheel.evaluation.lm_eval_runner import LMEvalConfig
 from flywheel.flows import work
 from flywheel.flows.flywheel import round_inputs
 from flywheel.flows.round_config import GenerateSection, load_round_config, profile
+from flywheel.flows.shards import shard_map
 from flywheel.training.config import ConfigError
 from tests.flows.conftest import task_runs
 
@@ -47,8 +48,11 @@ def test_generation_and_curation_sharded_on_dask_make_the_same_sft_set(
         config = load_round_config("tiny", overrides=[*overrides, "data.shard_groups=2"])
         common = {"store_url": model_store.url, "config": config, "round_no": 7}
         with temporary_settings(updates={PREFECT_API_URL: prefect_server["PREFECT_API_URL"]}):
-            rollouts = work.generate(work.GenerateParams(**common, tokenizer_model=base))
-            made[runner] = (rollouts, work.curate(work.CurateParams(**common, rollouts=rollouts.id)))
+            rollouts = work.generate(
+                work.GenerateParams(**common, tokenizer_model=base), shard_map(config.data, "generate")
+            )
+            curated = work.curate(work.CurateParams(**common, rollouts=rollouts.id), shard_map(config.data, "curate"))
+            made[runner] = (rollouts, curated)
     (whole, sft), (sharded, sharded_sft) = made["process"], made["dask"]
     assert len(sharded.params["shards"]) == 4 and "shards" not in whole.params  # 3 groups an env: 2 + 1.
     assert list(read_rows(model_store, sharded_sft.id, "sft")) == list(read_rows(model_store, sft.id, "sft"))
