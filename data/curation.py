@@ -1,11 +1,11 @@
-"""Curation: scored rollout groups (Atropos JSONL) -> an SFT set, preference pairs and a data card.
+"""Curation: scored rollout groups (Atropos') -> an SFT set, preference pairs and a data card.
 
 It streams: groups pass one at a time, de-duplication is MinHash-LSH (`dedup.py`), decontamination an
 n-gram index of the eval sets (`contamination.py`), and the datasets are written as Parquet shards
 as their rows come (`columnar.py`): time linear in the rollouts, memory bounded by the index.
 
 Filters, in order, each counted in the card:
-1. `infra`: rollouts whose inference failed never reach the JSONL; groups with none left are counted.
+1. `infra`: rollouts whose inference failed are never stored; groups with none left are counted.
 2. `low_reward`: rollouts the env's verifier did not pass (`meta.completed`), or under `min_reward`
    (rejection sampling; groups without `completed` fall back to `score >= 1.0`).
 3. `low_spread`: whole groups whose max-min score is under `min_group_spread`.
@@ -145,13 +145,12 @@ class Candidate:
         )
 
     def to_json(self) -> str:
-        signature = self.signature.tolist() if self.signature is not None else None
-        return json.dumps([self.kind, self.row, self.digest.hex(), signature], ensure_ascii=False)
+        return json.dumps(self.to_record() | {"digest": self.digest.hex()}, ensure_ascii=False)
 
     @classmethod
     def from_json(cls, line: str) -> Candidate:
-        kind, row, digest, signature = json.loads(line)
-        return cls(kind, row, bytes.fromhex(digest), None if signature is None else np.array(signature, np.uint32))
+        record = json.loads(line)
+        return cls.from_record(record | {"digest": bytes.fromhex(record["digest"])})
 
 
 class Curator:
