@@ -45,26 +45,32 @@ class RowSchema:
     json_columns: tuple[str, ...]
     meta_columns: tuple[tuple[str, pa.DataType], ...]
     typed_columns: tuple[tuple[str, pa.DataType], ...] = ()
+    keeps_other_keys: bool = False  # Keys the schema does not name go to an `other` JSON column.
 
     @property
     def arrow(self) -> pa.Schema:
-        fields = [pa.field(name, pa.string()) for name in self.json_columns]
+        names = (*self.json_columns, "other") if self.keeps_other_keys else self.json_columns
+        fields = [pa.field(name, pa.string()) for name in names]
         return pa.schema(fields + [pa.field(name, kind) for name, kind in (*self.typed_columns, *self.meta_columns)])
 
     def to_record(self, row: dict[str, Any]) -> dict[str, Any]:
         meta = row.get("meta") or {}
-        return (
+        record = (
             {name: json.dumps(row.get(name), ensure_ascii=False) for name in self.json_columns}
             | {name: row.get(name) for name, _ in self.typed_columns}
             | {name: meta.get(name) for name, _ in self.meta_columns}
         )
+        if self.keeps_other_keys:
+            named = {*self.json_columns, *(name for name, _ in self.typed_columns)}
+            record["other"] = json.dumps({k: v for k, v in row.items() if k not in named}, ensure_ascii=False)
+        return record
 
     def from_record(self, record: dict[str, Any]) -> dict[str, Any]:
         row = {name: json.loads(record[name]) for name in self.json_columns}
         row |= {name: record[name] for name, _ in self.typed_columns}
         if self.meta_columns and "meta" not in self.json_columns:
             row["meta"] = {name: record[name] for name, _ in self.meta_columns}
-        return row
+        return row | (json.loads(record["other"]) if self.keeps_other_keys else {})
 
 
 _SLICE = (("item_id", pa.string()), ("content_digest", pa.string()), ("env", pa.string()),
@@ -81,11 +87,12 @@ SCHEMAS = {
         ("row",), (), (("kind", pa.string()), ("digest", pa.binary()), ("signature", pa.list_(pa.uint32())))
     ),
     # An Atropos scored group: token ids, masks and scores typed; what atroposlib leaves None here
-    # (advantages, overrides, images) and the env's meta as JSON.
+    # (advantages, overrides, images), the env's meta, and any field a later atroposlib adds as JSON.
     "rollouts": RowSchema(
         ("messages", "meta", "advantages", "ref_logprobs", "group_overrides", "overrides", "images"),
         _SLICE,
         (("tokens", _IDS), ("masks", _IDS), ("scores", pa.list_(pa.float64()))),
+        keeps_other_keys=True,
     ),
 }
 

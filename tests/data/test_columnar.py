@@ -72,13 +72,15 @@ def test_a_newer_format_version_is_refused_with_what_to_do(tmp_path: Path) -> No
         list(read_rows(store, ref, "sft"))
 
 
-def test_rollout_groups_are_stored_in_item_order_and_read_back_whole(tmp_path: Path) -> None:
+def test_rollout_groups_are_stored_in_item_order_and_read_back_whole_with_fields_the_schema_lacks(
+    tmp_path: Path,
+) -> None:
     store = ArtifactStore(tmp_path / "store")
     groups = [
         {"tokens": [[1, 2], [3]], "masks": [[-100, 2], [3]], "scores": [1.0, 0.0], "messages": [[], []],
          "advantages": None, "ref_logprobs": None, "group_overrides": None, "overrides": None, "images": None,
          "meta": {"item_id": item, "env": "web", "category": "c", "difficulty": "easy", "completed": [True, False],
-                  "tools": [{"name": "t"}]}}
+                  "tools": [{"name": "t"}]}, "inference_logprobs": [[-0.5], [-1.0]]}
         for item in ("b", "c", "a")
     ]  # fmt: skip
     source = tmp_path / "web-policy.jsonl"
