@@ -406,7 +406,8 @@ def screen_shard(store_url: str, shard: tuple[str, str], *, config: CurationConf
                 writer.write(candidate.to_record())
         files: dict[str, Any] = {path.name: path for path in writer.close()}
         files["screened.json"] = json.dumps({"stats": curator.stats.screened(), "tasks": curator.tasks})
-        return store.put("candidates", name, files, parents=[shard[0]], params=config.model_dump()).id
+        shard_name = f"{name}-{Path(shard[1]).stem}"  # One ref a shard: `<sft>-screened-<part>-00000`.
+        return store.put("candidates", shard_name, files, parents=[shard[0]], params=config.model_dump()).id
 
 
 def eval_texts(store: Any) -> tuple[list[str], set[str], list[str]]:

@@ -119,7 +119,9 @@ def test_every_artifact_and_its_lineage_is_in_the_s3_store(full_round: dict) -> 
     assert {("checkpoint", "rl-r1"), ("checkpoint", "sft-r1"), ("dataset", "sft-r1"), ("model", "tiny")} <= walked
     assert ("rollouts", "rollouts-r1") in walked
     rollouts = store.manifest("rollouts/rollouts-r1")
-    assert len(rollouts.params["shards"]) == 2 and ("candidates", "sft-r1-screened") in walked  # 4 groups: 2 + 2.
+    screened = {name for kind, name in walked if kind == "candidates"}
+    assert len(rollouts.params["shards"]) == 2  # 4 groups: 2 + 2.
+    assert screened == {f"sft-r1-screened-tool_use_chain-teacher-0000{n}" for n in range(2)}  # A shard each.
     assert store.verify() == []
     assert store.fs.exists(f"{store.root}/prefect-results")  # The stage cache lives with the artifacts.
 
