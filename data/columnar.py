@@ -33,7 +33,6 @@ in turn here, or as tasks on a cluster (`flows/shards.py`)."""
 
 SCHEMA_VERSION = 1
 ROWS_PER_SHARD = 10_000
-LEGACY_FILE = "train.jsonl"  # A dataset artifact stored before the Parquet format.
 
 
 @dataclass(frozen=True)

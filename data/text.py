@@ -9,8 +9,11 @@ _TOKEN = re.compile(r"\w+|[^\w\s]")
 
 
 def words(text: str) -> list[str]:
-    """>>> words("Run `wc -l`!")
-    ['run', '`', 'wc', '-', 'l', '`', '!']"""
+    """Lower-cased words and single punctuation marks.
+
+    >>> words("Run `wc -l`!")
+    ['run', '`', 'wc', '-', 'l', '`', '!']
+    """
     return _TOKEN.findall(text.lower())
 
 

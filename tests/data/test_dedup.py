@@ -4,8 +4,11 @@ pair sits within the MinHash estimate's error (~0.02 at 128 permutations) of the
 
 from __future__ import annotations
 
+import doctest
 import random
 
+from flywheel.data import dedup as dedup_module
+from flywheel.data import text as text_module
 from flywheel.data.dedup import Deduplicator
 from flywheel.data.text import shingles
 
@@ -55,3 +58,9 @@ def test_exact_duplicates_are_told_apart_from_near_ones() -> None:
     assert duplicate("b", text.replace("w50", "x")) == "near_duplicate"
     assert duplicate("c", "something else entirely") is None
     assert duplicate("d", "") is None and duplicate("e", "") == "near_duplicate"  # Both one empty shingle.
+
+
+def test_doc_examples() -> None:
+    for module in (dedup_module, text_module):
+        failed, attempted = doctest.testmod(module)
+        assert attempted >= 1 and failed == 0, module.__name__
