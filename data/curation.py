@@ -411,9 +411,11 @@ def screen_shard(store_url: str, shard: tuple[str, str], *, config: CurationConf
 
 
 def eval_texts(store: Any) -> tuple[list[str], set[str], list[str]]:
-    """Task texts and content digests of every `evalset` artifact in the store, and those
-    artifacts' ids (for lineage)."""
-    texts, digests, ids = [], set(), []
+    """Task texts and content digests of every `evalset` artifact in the store, each item once, and
+    those artifacts' ids (for lineage). Once: every round stores its held-out set again, and an item
+    counted twice would make all its n-grams "shared by two eval items" - template text - and turn
+    the n-gram check off from the second round on."""
+    texts, digests, ids, seen = [], set(), [], set()
     for manifest in store.list("evalset"):
         ids.append(manifest.id)
         for relpath in sorted(p for p in manifest.files if p.endswith(".jsonl")):
@@ -421,7 +423,10 @@ def eval_texts(store: Any) -> tuple[list[str], set[str], list[str]]:
                 if line.strip():
                     record = json.loads(line)
                     messages = record.get("messages") or []
-                    texts.append(record.get("prompt") or record.get("text") or _task_text(messages) or line)
+                    text = record.get("prompt") or record.get("text") or _task_text(messages) or line
+                    if (key := record.get("content_digest") or text) not in seen:
+                        seen.add(key)
+                        texts.append(text)
                     if record.get("content_digest"):
                         digests.add(record["content_digest"])
     return texts, digests, ids

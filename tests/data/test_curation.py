@@ -150,6 +150,17 @@ def test_curate_to_store_records_lineage_and_card(store: ArtifactStore) -> None:
     assert sft.params["format"]["version"] == 1 and "messages: string" in sft.params["format"]["schema"]
 
 
+def test_a_held_out_set_stored_every_round_still_flags_its_items(store: ArtifactStore) -> None:
+    """Each round stores its held-out set again: the items count once, so what only one item has
+    stays rare (counted twice, every n-gram of the set looked like template text, and nothing was
+    flagged from round 2 on)."""
+    store.put("rollouts", "r1", {"tool_use_chain.jsonl": "".join(json.dumps(g) + "\n" for g in hand_built())})
+    for _ in range(2):
+        store.put("evalset", "agentic", {"items.jsonl": json.dumps({"prompt": EVAL_PROMPT}) + "\n"})
+    sft, _ = curate_to_store(store, ["rollouts/r1"], "sft-r2", "pairs-r2")
+    assert sft.metrics["removed"]["contaminated"] == 1 and len(sft.parents) == 3  # g5; both evalsets in lineage.
+
+
 def test_curation_screened_in_shards_makes_the_same_datasets(tmp_path: Path) -> None:
     """Each rollouts shard screened apart (as on a cluster), the candidates selected in one merge: the
     rows, their order and the card equal a curation in one pass (near-duplicates across shards too)."""
