@@ -11,6 +11,7 @@ import asyncio
 import functools
 import json
 import tempfile
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -100,11 +101,12 @@ def merge_rollouts(store: ArtifactStore, shards: list[Manifest], *, name: str, p
     stats; the shards are its parents."""
     files: dict[str, Any] = {}
     per_part: dict[str, dict[str, int]] = {}
+    taken: Counter[str] = Counter()  # Shard files of each part so far.
     for shard in shards:
         for split in splits(shard):
-            numbered = shard_paths(shard, split)
-            taken = sum(1 for path in files if path.rsplit("-", 1)[0] == split)
-            files |= {f"{split}-{taken + n:05d}.parquet": shard.files[path] for n, path in enumerate(numbered)}
+            for path in shard_paths(shard, split):
+                files[f"{split}-{taken[split]:05d}.parquet"] = shard.files[path]
+                taken[split] += 1
         for split, stats in store.read_json(shard.id, "stats.json")["parts"].items():
             summed = {key: per_part.get(split, {}).get(key, 0) + value for key, value in stats.items()}
             seconds = summed.get("seconds") or 0  # Worker-seconds: the shards ran side by side.
