@@ -18,6 +18,7 @@ from flywheel.flows.flywheel import round_inputs
 from flywheel.flows.round_config import GenerateSection, load_round_config, profile
 from flywheel.flows.shards import shard_map
 from flywheel.training.config import ConfigError
+from flywheel.training.models import resolve_model
 from tests.flows.conftest import task_runs
 
 
@@ -33,14 +34,17 @@ def test_the_served_policy_can_be_the_teacher(model_store: ArtifactStore, tiny_m
 
 
 def test_generation_and_curation_sharded_on_dask_make_the_same_sft_set(
-    model_store: ArtifactStore, tiny_model, model_cache, prefect_server: dict[str, str], monkeypatch
+    tmp_path: Path, tiny_model, model_cache, prefect_server: dict[str, str], monkeypatch
 ) -> None:
     """`data.runner: dask`: each part cut into shards of 2 groups, generated and screened as Prefect
     tasks on a local Dask cluster of 2 processes, merged by the store: the SFT set a stage in one
-    process makes, row for row."""
+    process makes, row for row. A store of its own: the session's holds other tests' held-out sets,
+    which the contamination check would screen these tasks against."""
     monkeypatch.setenv("FLYWHEEL_CACHE", str(model_cache))
     for key, value in prefect_server.items():  # The cluster's worker processes report to the same server.
         monkeypatch.setenv(key, value)
+    model_store = ArtifactStore(tmp_path / "store")
+    resolve_model("tiny", model_store, model_cache)
     base = model_store.resolve("model/tiny")
     made = {}
     for runner in ("process", "dask"):
