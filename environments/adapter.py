@@ -134,7 +134,11 @@ class StepEnvAdapter(HermesAgentBaseEnv):
         return item.get("prompt", "")
 
     async def run_agent(
-        self, item: dict[str, Any], temperature: float, tools: tuple[list[dict[str, Any]], set[str]] | None = None
+        self,
+        item: dict[str, Any],
+        temperature: float,
+        tools: tuple[list[dict[str, Any]], set[str]] | None = None,
+        server: Any = None,
     ) -> tuple[AgentResult, float | None]:
         """One episode of a fresh copy of the user's env through `StepEnvLoop`; None on infra failure."""
         environment = copy.deepcopy(self.prototype)
@@ -148,7 +152,7 @@ class StepEnvAdapter(HermesAgentBaseEnv):
         ]
         loop = StepEnvLoop(
             environment,
-            server=self.server,
+            server=server or self.server,
             valid_tool_names={s["function"]["name"] for s in schemas},
             task_id=f"{item['item_id']}-{id(environment):x}",
             **self.loop_settings(schemas, temperature),

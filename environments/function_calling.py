@@ -71,14 +71,18 @@ class FunctionCallingEnv(TaskEnv):
         return tasks.user_prompt(item["functions"], item["request"], self.config.tool_call_parser)
 
     async def run_agent(
-        self, item: dict[str, Any], temperature: float, tools: tuple[list[dict[str, Any]], set[str]] | None = None
+        self,
+        item: dict[str, Any],
+        temperature: float,
+        tools: tuple[list[dict[str, Any]], set[str]] | None = None,
+        server: Any = None,
     ) -> tuple[AgentResult, float | None]:
         """The base rollout, with the task's functions among the tool names the loop accepts and runs."""
         schemas, names = tools or self._resolve_tools_for_group()
         functions = tuple(tasks.function_tools(item))
         token = _TASK_TOOLS.set(functions)  # `extra_tools()` gives them to the loop this rollout builds.
         try:
-            return await super().run_agent(item, temperature, (schemas, names | {f.name for f in functions}))
+            return await super().run_agent(item, temperature, (schemas, names | {f.name for f in functions}), server)
         finally:
             _TASK_TOOLS.reset(token)
 

@@ -234,16 +234,21 @@ class HermesAgentBaseEnv(BaseEnv, RolloutScoring, WorkspaceItems, AgentEpisodes)
         return [*messages, {"role": "user", "content": self.format_prompt(item)}]
 
     async def run_agent(
-        self, item: Item, temperature: float, tools: tuple[list[dict[str, Any]], set[str]] | None = None
+        self,
+        item: Item,
+        temperature: float,
+        tools: tuple[list[dict[str, Any]], set[str]] | None = None,
+        server: Any = None,
     ) -> tuple[AgentResult, float | None]:
-        """One rollout in a fresh sandbox: set up, run the loop, score (None on infra failure), clean up."""
+        """One rollout in a fresh sandbox: set up, run the loop, score (None on infra failure), clean up.
+        `server` acts instead of the env's own (a trainer's policy)."""
         schemas, names = tools or self._resolve_tools_for_group()
         task_id = f"{item.get('item_id', 'task')}-{uuid.uuid4().hex[:8]}"
         ctx = ToolContext(task_id)
         try:
             await asyncio.to_thread(self.prepare_workspace, ctx, item)
             oracle = self.config.teacher == "oracle"
-            server = self.oracle_policy(item) if oracle else self.server
+            server = self.oracle_policy(item) if oracle else server or self.server
             loop = HermesAgentLoop(
                 server=server,
                 valid_tool_names=names,

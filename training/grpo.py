@@ -11,6 +11,7 @@ no learning signal).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -119,11 +120,28 @@ class GRPORunConfig(RunnerConfig):
         ge=0,
         description="Screen up to N tasks with the initial policy; train on those whose group rewards differ (0: off).",
     )
+    rl_mode: Literal["sync", "atropos"] = Field(
+        default="sync",
+        description="sync: the trainer rolls each step's tasks itself. atropos: env workers roll against the "
+        "trainer's policy endpoint and post groups to atroposlib's run-api, which the trainer consumes "
+        "(generation overlaps training).",
+    )
+    env_workers: int = Field(default=2, ge=1, description="atropos mode: env worker processes (over `envs` in turn).")
+    max_async_level: int = Field(
+        default=1, ge=0, description="atropos mode: train on groups at most this many steps older than the weights."
+    )
+    drop_flat_groups: bool = Field(
+        default=True, description="atropos mode: env workers drop groups whose rollouts all scored alike (no signal)."
+    )
 
     def problems(self) -> list[str]:
         problems = super().problems()
         if self.ref_model not in (None, self.policy_model):
             problems.append("GRPO's KL reference is the initial policy: leave ref_model empty or equal to policy_model")
+        if self.rl_mode == "atropos" and self.screen_tasks:
+            problems.append("rl_mode=atropos screens nothing (the workers drop flat groups): set screen_tasks=0")
+        if self.rl_mode == "atropos" and self.vllm():
+            problems.append("rl_mode=atropos generates on the trainer's policy endpoint (CPU): set use_vllm=false")
         if self.use_vllm and self.device == "cpu":
             problems.append("use_vllm needs device=cuda (vLLM's wheel is CUDA-only)")
         if self.top_k and (self.use_vllm or (self.use_vllm is None and self.device == "cuda")):
@@ -220,22 +238,33 @@ def run_grpo(
         torch.set_num_threads(cfg.num_threads)
     model_dir = resolve_model(cfg.policy_model, store)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    agents = policy_envs(cfg, envs, model_dir, tokenizer)
     run = RunDir(cfg.logs_root, cfg.output_name)
     resume = resume_from(store, cfg, run)
     screened: dict[str, list[Outcome]] = {}
-    dataset, tasks = task_dataset(agents, 1 if cfg.screen_tasks else cfg.num_tasks)  # Screening replaces it.
+    if cfg.rl_mode == "atropos":
+        from flywheel.training.atropos_mode import AtroposMode
+
+        atropos = AtroposMode(cfg, model_dir, tokenizer, run)
+        atropos.start()
+        dataset, rollout_func, agents = atropos.dataset(), atropos.rollout_func(), []
+    else:
+        atropos = None
+        agents = policy_envs(cfg, envs, model_dir, tokenizer)
+        dataset, tasks = task_dataset(agents, 1 if cfg.screen_tasks else cfg.num_tasks)  # Screening replaces it.
+        rollout_func = agent_rollout_func(tasks, cfg.temperature, cfg.max_completion_length, screened)
     parents = model_parents(store, cfg.policy_model)
     stats = RewardStats()
+    # Atropos mode's weight sync and queue counts (before the callbacks that write the log).
+    fed = atropos.callbacks(lambda: trainer.accelerator.unwrap_model(trainer.model)) if atropos else []
     trainer = warming_up_from_the_first_step(GRPOTrainer)(
         model=str(model_dir),  # TRL loads it after the args exist, so ZeRO-3 partitions it while loading.
         reward_funcs=[env_reward(run, cfg.rollouts_every, stats)],
         args=grpo_args(cfg, str(run.checkpoints)),
         train_dataset=dataset,
         processing_class=tokenizer,
-        rollout_func=agent_rollout_func(tasks, cfg.temperature, cfg.max_completion_length, screened),
+        rollout_func=rollout_func,
         callbacks=[
-            stats, MetricsCallback(run), NonFiniteGuard(), RewardDistributionWarning(), KeepScreening(run),
+            stats, *fed, MetricsCallback(run), NonFiniteGuard(), RewardDistributionWarning(), KeepScreening(run),
             StepCheckpoints(store, cfg, parents), *(callbacks or []),
         ],
     )  # fmt: skip
@@ -248,7 +277,8 @@ def run_grpo(
     if resume is None and screening.get("kept") == 0:  # Only flat groups: step 1 would change no weight.
         skipped = {"skipped": "no screened task gave differing rewards: the policy is stored untrained"}
         logger.warning("%s: GRPO skipped, %s", cfg.output_name, skipped["skipped"])
-    stopped = None if skipped else train(trainer, resume)
+    with atropos.running(trainer) if atropos is not None else contextlib.nullcontext():
+        stopped = None if skipped else train(trainer, resume)
     logged = run.read_metrics()
     rewards = [m["reward"] for m in logged if "reward" in m]
     return finish(
@@ -259,6 +289,7 @@ def run_grpo(
         zero_std_share=statistics.fmean(m["frac_reward_zero_std"] for m in logged if "frac_reward_zero_std" in m)
         if rewards else None,
         **({"screening": screening} if screening else {}),
+        **(atropos.summary() if atropos is not None else {}),
         **skipped,
     )  # fmt: skip
 
@@ -357,13 +388,6 @@ def policy_envs(
 ) -> list[HermesAgentBaseEnv]:
     """The run's envs, set up, on the policy's own tokenizer, their turns capped by `max_agent_turns`."""
 
-    def make(name: str) -> HermesAgentBaseEnv:
-        cls = env_class(name)
-        categories = categories_of(cls, cfg.categories)
-        mix = (cfg.task_mix or {}).get(name)
-        return cls(tokenizer_name=str(model_dir), difficulty=cfg.difficulty, categories=categories, task_mix=mix,
-                   seed=cfg.seed)  # fmt: skip
-
     def weighted(name: str) -> bool:  # An env the mix gives zero weight (nothing learnable there) gets no tasks.
         mix = (cfg.task_mix or {}).get(name)
         return mix is None or any(mix.values())
@@ -371,11 +395,25 @@ def policy_envs(
     names = [env for env in cfg.envs if weighted(env)]
     if not (envs or names):
         raise ValueError(f"task_mix gives every env zero weight: {cfg.task_mix}")
-    built = [make(env) if isinstance(env, str) else env for env in (envs or names)]
+    built = [policy_env(cfg, env, model_dir, tokenizer) if isinstance(env, str) else env for env in (envs or names)]
     for one in built:
         asyncio.run(one.setup())
-        one.config.tokenizer_name, one.tokenizer = str(model_dir), tokenizer
-        one.config.max_agent_turns = min(one.config.max_agent_turns, cfg.max_agent_turns)
-        if cfg.max_token_length:
-            one.config.max_token_length = cfg.max_token_length
+        on_policy_tokenizer(cfg, one, model_dir, tokenizer)
     return built
+
+
+def policy_env(cfg: RunnerConfig, name: str, model_dir: Path, tokenizer: Any, **config: Any) -> HermesAgentBaseEnv:
+    """Env `name` as the run configures it (difficulty, categories, its task mix), not set up yet."""
+    cls = env_class(name)
+    categories = categories_of(cls, cfg.categories)
+    mix = (cfg.task_mix or {}).get(name)
+    return cls(tokenizer_name=str(model_dir), difficulty=cfg.difficulty, categories=categories, task_mix=mix,
+               seed=cfg.seed, **config)  # fmt: skip
+
+
+def on_policy_tokenizer(cfg: RunnerConfig, env: HermesAgentBaseEnv, model_dir: Path, tokenizer: Any) -> None:
+    """Give `env` the policy's tokenizer and the run's caps on turns and reply length."""
+    env.config.tokenizer_name, env.tokenizer = str(model_dir), tokenizer
+    env.config.max_agent_turns = min(env.config.max_agent_turns, cfg.max_agent_turns)
+    if cfg.max_token_length:
+        env.config.max_token_length = cfg.max_token_length

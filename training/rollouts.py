@@ -77,7 +77,8 @@ class Trajectory:
     where the generator gave none, 0.0 on spliced tokens); `turns` counts the sampled replies. A
     call whose conversation does not continue this one (the env's LLM judge, say) is not part of
     it. `exact` turns False when a turn could not be spliced onto the ids before it. `seed` is the
-    rollout's sampling seed (None outside a rollout); `calls` counts its generation calls.
+    rollout's sampling seed (None outside a rollout); `calls` counts its generation calls; `versions`
+    holds, for a remote policy, the weights' version that served each call.
     """
 
     prompt_ids: list[int] = field(default_factory=list)
@@ -89,6 +90,7 @@ class Trajectory:
     exact: bool = True
     seed: int | None = None
     calls: int = 0
+    versions: list[int] = field(default_factory=list)  # The policy version of each remote call.
 
     def covers(self, result: Any) -> bool:
         """Whether these are the tokens of `result`'s conversation: one sampled reply per assistant turn."""
@@ -139,9 +141,11 @@ class PolicyServer:
     padding, memory bounded by the tokens of one forward pass and a fixed cache pool, and a turn
     re-reads its conversation's earlier turns from the paged cache. With `vllm` (TRL's engine on
     CUDA, which gets the trainer's weights before each step's rollouts) concurrent requests are
-    generated together: the thread that gets the engine next serves every request waiting.
-    Use it as a context manager (or `close()` it): closing stops the generation thread and puts
-    the model back in the mode it was in.
+    generated together: the thread that gets the engine next serves every request waiting. With
+    `remote` (an env worker of atropos-mode GRPO) each reply comes from the trainer's policy endpoint
+    (`flywheel.training.policy_endpoint`) with the version of the weights that made it. Use it as
+    a context manager (or `close()` it): closing stops the generation thread and puts the model back
+    in the mode it was in.
     """
 
     def __init__(
@@ -152,6 +156,7 @@ class PolicyServer:
         max_new_tokens: int,
         vllm: Any = None,
         device: Any = None,
+        remote: Any = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -159,6 +164,7 @@ class PolicyServer:
         self.max_new_tokens = max_new_tokens
         self.vllm = vllm
         self.device = device  # The rank's device: vLLM generates on it from a worker thread.
+        self.remote = remote  # A `RemotePolicy`: the trainer's weights behind an endpoint (atropos mode).
         self._model_lock = threading.Lock()  # One vLLM generate at a time.
         self._queue_lock = threading.Lock()
         self._queue: list[_Request] = []
@@ -218,8 +224,12 @@ class PolicyServer:
                 request = _Request(prompt_ids, temperature, max_new)
                 new = await asyncio.to_thread(self._generate_on_vllm, request)
                 logprobs = request.logprobs
+            elif self.remote is not None:
+                new, version = await self.remote.generate(prompt_ids, temperature, max_new, seed)
+                if trajectory is not None:
+                    trajectory.versions.append(version)
             else:
-                new = await self._generate_paged(prompt_ids, temperature, max_new, seed)
+                new = await self.generate_paged(prompt_ids, temperature, max_new, seed)
         except BaseException:  # The loop may retry: the retry splices the env's turn again, so forget this one's.
             if trajectory is not None:
                 trajectory.truncate(before)
@@ -266,7 +276,7 @@ class PolicyServer:
         trajectory.add(full[len(before) :], sampled=False)
         return trajectory.prompt_ids + trajectory.completion_ids, True
 
-    async def _generate_paged(self, prompt_ids: list[int], temperature: float, max_new: int, seed: int) -> list[int]:
+    async def generate_paged(self, prompt_ids: list[int], temperature: float, max_new: int, seed: int) -> list[int]:
         """One reply from the continuous-batching manager, ending at its first end-of-sequence token; sampled
         from `seed`'s stream (see `SeededSampling`)."""
         manager = self._manager(temperature)
@@ -514,8 +524,8 @@ def agent_rollout_func(
         for task, (result, reward, trajectory) in zip(batch, outcomes, strict=True):
             exact = trajectory.covers(result)
             prompt, completion, mask, logprobs = (
-                _sampled(trajectory, max_completion_length) if exact else
-                _retokenized(task, result, max_completion_length, stops, eos)
+                sampled(trajectory, max_completion_length) if exact else
+                retokenized(task, result, max_completion_length, stops, eos)
             )  # fmt: skip
             out["prompt_ids"].append(prompt)
             out["completion_ids"].append(completion)
@@ -532,7 +542,7 @@ def agent_rollout_func(
     return rollout
 
 
-def _sampled(trajectory: Trajectory, limit: int) -> tuple[list[int], list[int], list[int], list[float]]:
+def sampled(trajectory: Trajectory, limit: int) -> tuple[list[int], list[int], list[int], list[float]]:
     """The rollout as sampled: prompt, completion (sampled turns and splices), mask, log-probs."""
     return (
         trajectory.prompt_ids,
@@ -542,7 +552,7 @@ def _sampled(trajectory: Trajectory, limit: int) -> tuple[list[int], list[int], 
     )
 
 
-def _retokenized(
+def retokenized(
     task: Task, result: Any, limit: int, stops: set[int], eos: int
 ) -> tuple[list[int], list[int], list[int], list[float]]:
     """A rollout that could not be spliced (or never generated): its conversation through the env's
@@ -584,10 +594,9 @@ async def run_rollouts(batch: list[Task], server: PolicyServer, temperature: flo
     batch_seed, rank = draw_seed(), int(os.environ.get("RANK", "0"))
 
     async def one(index: int, task: Task) -> Outcome:
-        task.env.server = server
         trajectory = Trajectory(seed=mix_seed(batch_seed, rank, index))
         _TRAJECTORY.set(trajectory)  # This task's context: its generation calls find it.
-        result, reward = await task.env.run_agent(task.item, temperature)
+        result, reward = await task.env.run_agent(task.item, temperature, server=server)
         return result, reward, trajectory
 
     return await asyncio.gather(*(one(index, task) for index, task in enumerate(batch)))

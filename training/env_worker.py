@@ -1,0 +1,121 @@
+"""An env worker of atropos-mode GRPO: one env's `serve` loop against the trainer's policy.
+
+    python -m flywheel.training.env_worker --config run.json --env tool_use_chain --index 0 \\
+        --api http://127.0.0.1:8000 --policy http://127.0.0.1:8001 --model-dir DIR
+
+It is atroposlib's own serve loop (`env_manager`: register with `run-api`, keep the queue filled up
+to `max_batches_offpolicy` batches, post scored groups); only the group is made here: `group_size`
+rollouts through the env's agent loop with `PolicyServer` generating on the trainer's endpoint, so
+a group carries the token ids the policy sampled (as in-process GRPO trains on), and in
+`group_overrides` the oldest policy version among its replies and the env's name. A group with an
+infra failure is dropped whole: `run-api` packs batches from equal-sized groups, and a short one
+would be merged with another item's rollouts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from flywheel.environments.hermes_base_env import HermesAgentBaseEnv
+from flywheel.training.grpo import GRPORunConfig, on_policy_tokenizer, policy_env
+from flywheel.training.policy_endpoint import RemotePolicy
+from flywheel.training.rollouts import Outcome, PolicyServer, Task, retokenized, run_rollouts, sampled
+
+logger = logging.getLogger(__name__)
+
+# Items of one env are numbered from the worker's offset: two workers of an env never roll the same item.
+ITEMS_PER_WORKER = 1_000_000
+
+
+def scored_group(env: HermesAgentBaseEnv, item: dict[str, Any], outcomes: list[Outcome], limit: int) -> dict[str, Any]:
+    """Atroposlib's `ScoredDataGroup` of one item's rollouts, made of the sampled token ids."""
+    eos = env.tokenizer.eos_token_id
+    group: dict[str, Any] = {"tokens": [], "masks": [], "scores": [], "overrides": [], "messages": []}
+    versions = []
+    for result, reward, trajectory in outcomes:
+        exact = trajectory.covers(result)
+        prompt, completion, mask, _ = (
+            sampled(trajectory, limit) if exact else retokenized(Task(env, item), result, limit, {eos}, eos)
+        )
+        group["tokens"].append(prompt + completion)
+        group["masks"].append([-100] * len(prompt) + [t if m else -100 for t, m in zip(completion, mask, strict=True)])
+        group["scores"].append(float(reward or 0.0))
+        group["overrides"].append({"task_completed": bool(result.task_completed), "retokenized": not exact})
+        group["messages"].append([{"role": m["role"], "content": str(m.get("content") or "")} for m in result.messages])
+        versions += trajectory.versions
+    group["group_overrides"] = {
+        "policy_version": min(versions) if versions else None,
+        "env": env.name,
+        "item_id": item.get("item_id"),
+    }
+    return group
+
+
+def serve_with_policy(env: HermesAgentBaseEnv, policy: PolicyServer, limit: int) -> None:
+    """Make `env`'s groups with `policy` (the trainer's endpoint) instead of its inference server."""
+
+    async def collect_trajectories(item: dict[str, Any]) -> tuple[dict[str, Any] | None, list[Any]]:
+        outcomes = await run_rollouts([Task(env, item)] * env.config.group_size, policy, env.config.agent_temperature)
+        env._rollouts += len(outcomes)
+        failed = sum(reward is None for _, reward, _ in outcomes)
+        env._infra_failures += failed
+        if failed:
+            logger.warning(
+                "%s: %s lost %d rollouts to infra failures: group dropped", env.name, item["item_id"], failed
+            )
+            return None, []
+        return scored_group(env, item, outcomes, limit), []
+
+    env.collect_trajectories = collect_trajectories  # type: ignore[method-assign]
+
+
+def worker_env(cfg: GRPORunConfig, name: str, index: int, api: str, model_dir: Path) -> HermesAgentBaseEnv:
+    """Env `name` configured as worker `index` of the run: atroposlib's serve settings from the run's."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    env = policy_env(
+        cfg, name, model_dir, tokenizer,
+        rollout_server_url=api,
+        group_size=cfg.num_rollouts_per_task,
+        max_batches_offpolicy=max(1, cfg.max_async_level),
+        total_steps=10**9,  # The trainer decides when the run ends; the fleet stops its workers.
+        ensure_scores_are_not_same=cfg.drop_flat_groups,
+        use_wandb=False,
+        wandb_name=f"{name}-{index}",
+        agent_temperature=cfg.temperature,
+        first_item=index * ITEMS_PER_WORKER,
+    )  # fmt: skip
+    on_policy_tokenizer(cfg, env, model_dir, tokenizer)
+    return env
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, required=True, help="The run's GRPORunConfig as JSON.")
+    parser.add_argument("--env", required=True)
+    parser.add_argument("--index", type=int, default=0)
+    parser.add_argument("--api", required=True, help="run-api's URL.")
+    parser.add_argument("--policy", required=True, help="The trainer's policy endpoint.")
+    parser.add_argument("--model-dir", type=Path, required=True, help="The policy's tokenizer and chat template.")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("atroposlib.envs.base").setLevel(logging.WARNING)  # Its status line, ten times a second.
+    import torch
+
+    cfg = GRPORunConfig.model_validate(json.loads(args.config.read_text()))
+    torch.manual_seed(cfg.seed * 1009 + args.index)  # Each worker's sampling seeds are its own.
+    env = worker_env(cfg, args.env, args.index, args.api, args.model_dir)
+    policy = PolicyServer(lambda: None, env.tokenizer, cfg.sampling_top_k(False), cfg.max_completion_length,
+                          remote=RemotePolicy(args.policy))  # fmt: skip
+    serve_with_policy(env, policy, cfg.max_completion_length)
+    asyncio.run(env.env_manager())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""The trainer's side of atropos-mode GRPO: scored groups from atroposlib's `run-api`, checked, as TRL rollouts.
+
+`run-api` (atroposlib 0.4) knows no policy version, keeps its queue when a trainer registers again
+(a resumed run finds the groups its killed run left), and hands out whatever it was sent. So the
+checks are the trainer's: a group must be `group_size` rollouts whose masks train only the ids
+they mark, with finite scores and the policy version it was sampled with; a group older than
+`max_async_level` steps is refused (dropped, not corrected: in-process CPU generation gives no
+sampling log-probs to correct with, and a bounded age keeps the step close to on-policy, as
+prime-rl's async level does). Every refusal is counted by reason and logged with the step's metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import Counter
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+
+class RunApi:
+    """The calls a trainer makes to atroposlib's `run-api`."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self.client = httpx.Client(base_url=self.url, timeout=30)
+
+    def register(
+        self, batch_size: int, max_token_len: int, num_steps: int, starting_step: int, checkpoint_dir: str
+    ) -> None:
+        """Register as the trainer (every envs' `batch_size` is ours) and start the envs' clock."""
+        body = {
+            "wandb_group": "flywheel", "wandb_project": "flywheel", "batch_size": batch_size,
+            "max_token_len": max_token_len, "checkpoint_dir": checkpoint_dir, "save_checkpoint_interval": 0,
+            "starting_step": starting_step, "num_steps": num_steps,
+        }  # fmt: skip
+        self.client.post("/register", json=body).raise_for_status()
+        self.client.get("/batch").raise_for_status()  # The first poll lets envs register.
+
+    def batch(self) -> list[dict[str, Any]]:
+        """The groups of the next batch `run-api` has ready (none yet: empty)."""
+        response = self.client.get("/batch")
+        response.raise_for_status()
+        return response.json().get("batch") or []
+
+    def wait_until_up(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.client.get("/status").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run-api at {self.url} did not answer within {timeout:.0f} s")
+            time.sleep(0.2)
+
+
+def group_problem(group: Any, group_size: int, vocab_size: int) -> str | None:
+    """Why `group` cannot be trained on (None: it can)."""
+    if not isinstance(group, dict):
+        return "not a group"
+    tokens, masks, scores = group.get("tokens"), group.get("masks"), group.get("scores")
+    if not (isinstance(tokens, list) and isinstance(masks, list) and isinstance(scores, list)):
+        return "tokens, masks or scores missing"
+    if not len(tokens) == len(masks) == len(scores) == group_size:
+        return f"{len(tokens)} sequences, {len(masks)} masks, {len(scores)} scores: not a group of {group_size}"
+    for ids, mask in zip(tokens, masks, strict=True):
+        if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
+            return "a mask that does not cover its sequence"
+        if any(not isinstance(i, int) or not 0 <= i < vocab_size for i in ids):
+            return "a token id outside the vocabulary"
+        if any(m != -100 and m != i for i, m in zip(ids, mask, strict=True)):
+            return "a mask that trains other ids than its sequence's"
+        if all(m == -100 for m in mask):
+            return "a sequence with nothing to train on"
+    if any(isinstance(s, bool) or not isinstance(s, int | float) or not math.isfinite(s) for s in scores):
+        return "a score that is not a finite number"
+    version = (group.get("group_overrides") or {}).get("policy_version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        return "no policy version"
+    return None
+
+
+class GroupQueue:
+    """Checked groups from `run-api`, handed to the trainer a step's worth at a time."""
+
+    def __init__(self, api: RunApi, group_size: int, max_async_level: int, vocab_size: int, wait: float = 600) -> None:
+        self.api = api
+        self.group_size = group_size
+        self.max_async_level = max_async_level
+        self.vocab_size = vocab_size
+        self.wait = wait
+        self.refused: Counter[str] = Counter()
+        self.ages: list[int] = []  # Of the groups trained on, in steps.
+        self._pending: list[dict[str, Any]] = []
+
+    def take(self, count: int, step: int) -> list[dict[str, Any]]:
+        """`count` groups to train step `step + 1` on (the weights are version `step`), none older than
+        `max_async_level` steps; waits for `run-api` up to `wait` seconds without a new group."""
+        ready: list[dict[str, Any]] = []
+        last_new = time.monotonic()
+        while True:
+            kept = []
+            for group in self._pending:
+                age = step - group["group_overrides"]["policy_version"]
+                if age > self.max_async_level:
+                    self.refused["stale"] += 1
+                elif age < 0:  # Weights this run never had: another run's groups.
+                    self.refused["from_another_run"] += 1
+                elif len(ready) < count:
+                    ready.append(group)
+                    self.ages.append(age)
+                else:
+                    kept.append(group)
+            self._pending = kept
+            if len(ready) == count:
+                return ready
+            batch = self.api.batch()
+            if batch:
+                last_new = time.monotonic()
+            elif time.monotonic() - last_new > self.wait:
+                raise TimeoutError(
+                    f"no group from run-api ({self.api.url}) in {self.wait:.0f} s, {len(ready)} of {count} in hand: "
+                    "are the env workers running? (refused so far: " + json.dumps(dict(self.refused)) + ")"
+                )
+            else:
+                time.sleep(0.2)
+            for group in batch:
+                if problem := group_problem(group, self.group_size, self.vocab_size):
+                    self.refused["malformed"] += 1
+                    logger.warning("a group from run-api refused: %s", problem)
+                else:
+                    self._pending.append(group)
+
+
+def atropos_rollout_func(queue: GroupQueue, group_size: int, max_completion_length: int) -> Any:
+    """TRL `rollout_func(prompts, trainer)`: the step's rollouts are groups from `run-api`, not the
+    prompts' (the dataset only sets how many): `len(prompts) // group_size` groups, consecutive."""
+
+    def rollout(prompts: list[Any], trainer: Any) -> dict[str, list[Any] | None]:
+        groups = queue.take(len(prompts) // group_size, trainer.state.global_step)
+        out: dict[str, Any] = {k: [] for k in ("prompt_ids", "completion_ids", "env_mask", "env_reward")}
+        out |= {"task_completed": [], "env": [], "retokenized": []}
+        for group in groups:
+            overrides = group.get("overrides") or [{}] * group_size
+            rows = zip(group["tokens"], group["masks"], group["scores"], overrides, strict=True)
+            for ids, mask, score, extra in rows:
+                start = next(i for i, m in enumerate(mask) if m != -100)
+                out["prompt_ids"].append(ids[:start])
+                out["completion_ids"].append(ids[start:][:max_completion_length])
+                out["env_mask"].append([int(m != -100) for m in mask[start:][:max_completion_length]])
+                out["env_reward"].append(float(score))
+                out["task_completed"].append(bool((extra or {}).get("task_completed", score >= 1.0)))
+                out["env"].append(group["group_overrides"].get("env", "env"))
+                out["retokenized"].append(bool((extra or {}).get("retokenized")))
+        out["logprobs"] = None  # The trainer scores the old policy itself (no sampling log-probs travel).
+        return out
+
+    return rollout
