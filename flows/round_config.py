@@ -87,6 +87,10 @@ RLSection = _section(
     num_rollouts_per_task=2,
     num_tasks=16,
     screen_tasks=0,
+    rl_mode="sync",
+    env_workers=2,
+    max_async_level=1,
+    drop_flat_groups=True,
     kl_beta=GRPORunConfig.model_fields["kl_beta"].default,
     allow_low_kl=False,
     top_k=None,
@@ -281,8 +285,8 @@ class RoundConfig(BaseModel):
     ) -> GRPORunConfig:
         """The RL stage's run config: the `rl` section, the round's envs and the agent loop's caps (train as judged)."""
         fields = self._on_hardware(self.rl.model_dump(), "rl")
-        if self.gpus > 1:
-            fields["screen_tasks"] = 0  # Screening runs in one process.
+        if self.gpus > 1 or fields["rl_mode"] == "atropos":
+            fields["screen_tasks"] = 0  # Screening runs in one process; atropos workers drop flat groups instead.
         return GRPORunConfig(
             **fields,
             policy_model=policy_model,

@@ -23,7 +23,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from flywheel.training.env_fleet import EnvFleet
-from flywheel.training.grpo import GRPORunConfig
+from flywheel.training.grpo import GRPORunConfig, weighted_envs
 from flywheel.training.policy_endpoint import PolicyEndpoint
 from flywheel.training.run_logs import RunDir
 from flywheel.training.trajectory_api import GroupQueue, RunApi, atropos_rollout_func
@@ -33,15 +33,17 @@ class AtroposMode:
     """The endpoint, fleet and group queue of one atropos-mode run, and what the trainer takes from them."""
 
     def __init__(self, cfg: GRPORunConfig, model_dir: Path, tokenizer: Any, run: RunDir) -> None:
+        """Nothing starts here (`running` starts the processes and the endpoint's server), so a failure
+        before training leaves nothing behind."""
         self.cfg = cfg
-        self.model_dir = model_dir
-        self.tokenizer = tokenizer
-        self.run = run
-        self.endpoint: PolicyEndpoint | None = None
-        self.fleet: EnvFleet | None = None
-        self.queue: GroupQueue | None = None
-        self._api: RunApi | None = None
-        self._stack = contextlib.ExitStack()
+        config = run.path / "atropos-run.json"
+        config.write_text(cfg.model_dump_json())
+        worker_args = ["--config", str(config), "--model-dir", str(model_dir)]
+        self.fleet = EnvFleet(weighted_envs(cfg), cfg.env_workers, worker_args, run.path / "envs")
+        top_k = cfg.sampling_top_k(False)
+        self.endpoint = PolicyEndpoint(model_dir, tokenizer, top_k, cfg.max_completion_length)
+        self.api = RunApi(self.fleet.api_url)
+        self.queue = GroupQueue(self.api, cfg.num_rollouts_per_task, cfg.max_async_level, len(tokenizer))
 
     def dataset(self) -> Any:
         """The trainer's prompts: placeholders, one per rollout a step takes (its groups come from run-api)."""
@@ -51,57 +53,36 @@ class AtroposMode:
             [{"prompt": [{"role": "user", "content": "a group from run-api"}]}] * self.cfg.num_tasks
         )
 
-    def start(self) -> None:
-        """`run-api` and the policy endpoint (workers start once the trainer registered: `running`)."""
-        cfg = self.cfg
-        config = self.run.path / "atropos-run.json"
-        config.write_text(cfg.model_dump_json())
-        worker_args = ["--config", str(config), "--model-dir", str(self.model_dir)]
-        self.fleet = self._stack.enter_context(EnvFleet(cfg.envs, cfg.env_workers, worker_args, self.run.path / "envs"))
-        self.endpoint = self._stack.enter_context(
-            PolicyEndpoint(self.model_dir, self.tokenizer, cfg.sampling_top_k(False), cfg.max_completion_length)
-        )
-        self._api = RunApi(self.fleet.api_url)
-        self.queue = GroupQueue(self._api, cfg.num_rollouts_per_task, cfg.max_async_level, len(self.tokenizer))
-
     def rollout_func(self) -> Any:
-        assert self.queue is not None, "start() first"
         return atropos_rollout_func(self.queue, self.cfg.num_rollouts_per_task, self.cfg.max_completion_length)
 
     def callbacks(self, trainer_model: Any) -> list[TrainerCallback]:
         """Weight sync after each step and at the start; the queue's counts in each step's log."""
-        assert self.endpoint is not None and self.queue is not None, "start() first"
-        return [SyncPolicy(self.endpoint, trainer_model), QueueStats(self.queue, self)]
+        return [SyncPolicy(self.endpoint, trainer_model), QueueStats(self)]
 
     @contextlib.contextmanager
     def running(self, trainer: Any) -> Iterator[None]:
-        """Register with run-api and start the env workers for the length of training; stop everything after."""
-        assert self._api is not None and self.fleet is not None and self.endpoint is not None, "start() first"
+        """`run-api` and the policy endpoint up, the trainer registered, the env workers started, for the
+        length of training; everything stopped after."""
         cfg = self.cfg
-        try:
-            self._api.wait_until_up()
+        with self.fleet, self.endpoint:
+            self.api.wait_until_up()
             per_step = cfg.batch_size * cfg.gradient_accumulation_steps * trainer.accelerator.num_processes
             max_len = cfg.max_completion_length + 8192  # Prompts (tool schemas) plus the completion cap.
-            self._api.register(per_step, max_len, cfg.total_steps, 0, str(self.run.path))
+            self.api.register(per_step, max_len, cfg.total_steps, 0, str(self.fleet.log_dir))
             self.fleet.start_workers(self.endpoint.url)
             yield
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        self._stack.close()
 
     def summary(self) -> dict[str, Any]:
         """For the run's manifest: groups refused by reason, the trained groups' age, worker restarts."""
-        queue, fleet = self.queue, self.fleet
-        ages = queue.ages if queue else []
+        ages = self.queue.ages
         return {
             "atropos": {
                 "groups_trained": len(ages),
                 "mean_age_steps": statistics.fmean(ages) if ages else None,
-                "refused": dict(queue.refused) if queue else {},
-                "worker_restarts": sum(fleet.restarts.values()) if fleet else 0,
-                "endpoint_replies": self.endpoint.served if self.endpoint else 0,
+                "refused": dict(self.queue.refused),
+                "worker_restarts": sum(self.fleet.restarts.values()),
+                "endpoint_replies": self.endpoint.served,
             }
         }
 
@@ -123,8 +104,7 @@ class SyncPolicy(TrainerCallback):
 class QueueStats(TrainerCallback):
     """Adds the groups refused so far (by reason), the trained groups' mean age and worker restarts to the log."""
 
-    def __init__(self, queue: GroupQueue, mode: AtroposMode) -> None:
-        self.queue = queue
+    def __init__(self, mode: AtroposMode) -> None:
         self.mode = mode
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:

@@ -39,7 +39,8 @@ class EnvFleet:
         self.worker_args = worker_args
         self.log_dir = log_dir
         self.poll = poll
-        self.api_url = ""
+        self.api_port = free_port()
+        self.api_url = f"http://127.0.0.1:{self.api_port}"
         self.restarts: Counter[int] = Counter()
         self._api: subprocess.Popen[bytes] | None = None
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -49,10 +50,8 @@ class EnvFleet:
         self._lock = threading.Lock()
 
     def __enter__(self) -> EnvFleet:
-        port = free_port()
         run_api = Path(sys.executable).parent / "run-api"
-        self._api = self._spawn([str(run_api), "--host", "127.0.0.1", "--port", str(port)], "run-api")
-        self.api_url = f"http://127.0.0.1:{port}"
+        self._api = self._spawn([str(run_api), "--host", "127.0.0.1", "--port", str(self.api_port)], "run-api")
         return self
 
     def __exit__(self, *exc: object) -> None:

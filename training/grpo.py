@@ -182,6 +182,8 @@ def grpo_kwargs(cfg: GRPORunConfig, output_dir: str) -> dict[str, Any]:
 
 def generation_problem(cfg: GRPORunConfig, num_processes: int) -> str | None:
     """Why this run's generation cannot work across `num_processes` ranks (None: it can)."""
+    if num_processes > 1 and cfg.rl_mode == "atropos":
+        return "rl_mode=atropos trains in one process: its policy endpoint copies whole weights after each step"
     if num_processes > 1 and cfg.deepspeed in ("zero3", "zero3_offload") and not cfg.vllm():
         return (
             "in-process generation under ZeRO-3 on several GPUs hangs: every forward gathers the sharded weights "
@@ -245,7 +247,6 @@ def run_grpo(
         from flywheel.training.atropos_mode import AtroposMode
 
         atropos = AtroposMode(cfg, model_dir, tokenizer, run)
-        atropos.start()
         dataset, rollout_func, agents = atropos.dataset(), atropos.rollout_func(), []
     else:
         atropos = None
@@ -387,19 +388,21 @@ def policy_envs(
     cfg: RunnerConfig, envs: list[HermesAgentBaseEnv | str] | None, model_dir: Path, tokenizer: Any
 ) -> list[HermesAgentBaseEnv]:
     """The run's envs, set up, on the policy's own tokenizer, their turns capped by `max_agent_turns`."""
-
-    def weighted(name: str) -> bool:  # An env the mix gives zero weight (nothing learnable there) gets no tasks.
-        mix = (cfg.task_mix or {}).get(name)
-        return mix is None or any(mix.values())
-
-    names = [env for env in cfg.envs if weighted(env)]
-    if not (envs or names):
-        raise ValueError(f"task_mix gives every env zero weight: {cfg.task_mix}")
+    names = weighted_envs(cfg) if not envs else []
     built = [policy_env(cfg, env, model_dir, tokenizer) if isinstance(env, str) else env for env in (envs or names)]
     for one in built:
         asyncio.run(one.setup())
         on_policy_tokenizer(cfg, one, model_dir, tokenizer)
     return built
+
+
+def weighted_envs(cfg: RunnerConfig) -> list[str]:
+    """The run's envs that its task mix gives some weight (an env with nothing learnable gets no tasks)."""
+    mixes = cfg.task_mix or {}
+    names = [name for name in cfg.envs if mixes.get(name) is None or any(mixes[name].values())]
+    if not names:
+        raise ValueError(f"task_mix gives every env zero weight: {cfg.task_mix}")
+    return names
 
 
 def policy_env(cfg: RunnerConfig, name: str, model_dir: Path, tokenizer: Any, **config: Any) -> HermesAgentBaseEnv:

@@ -40,11 +40,14 @@ class PolicyEndpoint:
         self.served = 0
         self.host = host
         self.url = ""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="policy-endpoint", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
 
     def __enter__(self) -> PolicyEndpoint:
+        """Serve (until `close`): the server runs on an event loop of its own thread."""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="policy-endpoint", daemon=True)
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=60)
         return self
@@ -64,10 +67,11 @@ class PolicyEndpoint:
 
     def close(self) -> None:
         """Stop serving and the generation threads."""
-        if self._thread.is_alive():
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(timeout=60)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=60)
+            self._loop.close()
         self.server.close()
 
     async def _start(self) -> None:

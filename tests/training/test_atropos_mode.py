@@ -1,28 +1,31 @@
 """GRPO the Atropos way: env workers roll against the trainer's policy endpoint and post to a real
 `run-api`; the trainer trains on version-checked groups of the ids the policy sampled, refuses
-stale and malformed ones with a count, and outlives a killed env worker."""
+stale and malformed ones with a count, outlives a killed env worker and resumes after its own kill."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 import pytest
-from transformers import AutoTokenizer, TrainerCallback
+from transformers import AutoTokenizer
 
 from flywheel.data import ArtifactStore
 from flywheel.training.env_fleet import EnvFleet
-from flywheel.training.grpo import GRPORunConfig, run_grpo
+from flywheel.training.grpo import GRPORunConfig
 from flywheel.training.policy_endpoint import PolicyEndpoint, RemotePolicy
 from flywheel.training.trajectory_api import GroupQueue, RunApi, group_problem
 
 os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _group(version: Any = 2, tokens: list[list[int]] | None = None, **fields: Any) -> dict[str, Any]:
@@ -113,39 +116,72 @@ def test_the_endpoint_serves_the_synced_weights_with_their_version(tiny_model: P
         assert bad.status_code == 400 and "bad request" in bad.json()["error"]
 
 
-class KillAWorker(TrainerCallback):
-    """SIGKILLs one env worker after the first step."""
+_RUN = """
+import os, signal, sys
+import psutil
+from transformers import TrainerCallback
+from flywheel.data import ArtifactStore
+from flywheel.training.grpo import GRPORunConfig, run_grpo
 
-    def __init__(self) -> None:
-        self.killed: int | None = None
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.killed is None:
+class Kills(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):  # An env worker, after step 1.
+        if state.global_step == 1:
             workers = [p for p in psutil.Process().children() if "flywheel.training.env_worker" in p.cmdline()]
-            self.killed = workers[0].pid
-            os.kill(self.killed, signal.SIGKILL)
+            os.kill(workers[0].pid, signal.SIGKILL)
+    def on_save(self, args, state, control, **kwargs):  # The trainer, after step 2's checkpoint.
+        if state.global_step == 2 and sys.argv[3] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+cfg = GRPORunConfig.model_validate_json(sys.argv[1])
+run_grpo(cfg, ArtifactStore(sys.argv[2]), callbacks=[Kills()])
+"""
 
 
-def test_grpo_trains_on_groups_from_env_workers_and_outlives_a_killed_one(
-    model_store: ArtifactStore, tiny_model: Path, tmp_path: Path
+def _train(cfg: GRPORunConfig, store: ArtifactStore, kill: bool) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-c", _RUN, cfg.model_dump_json(), store.url, "kill" if kill else "no"]
+    environ = {**os.environ, "PYTHONPATH": str(ROOT)}  # The env workers import the test's env too.
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=environ, timeout=900)
+
+
+def _left_running(marker: str) -> list[psutil.Process]:
+    """A run's processes still alive after 10 s, found by a path only that run's command lines hold."""
+    left: list[psutil.Process] = []
+    for _ in range(50):
+        left = [p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
+        if not left:
+            break
+        time.sleep(0.2)
+    return left
+
+
+def test_atropos_grpo_outlives_a_killed_env_worker_and_resumes_after_a_trainer_kill(
+    tiny_model: Path, tmp_path: Path
 ) -> None:
-    """Tiny model, 2 env workers, max_async_level 1: three steps on six groups, none older than a
-    step, none re-tokenised; a worker SIGKILLed after step 1 is started again and the run goes on."""
+    """Tiny model, 2 env workers, max_async_level 1, an env scored by the share of vowels (rewards that
+    differ, so steps move the weights). Run 1: a worker SIGKILLed after step 1 is started again; the
+    trainer SIGKILLed after step 2's checkpoint takes its workers and run-api with it. Run 2 resumes
+    at step 3 with a fleet of its own, on groups of the step-2 weights or newer: none re-tokenised."""
     cfg = GRPORunConfig(
-        total_steps=3, batch_size=2, gradient_accumulation_steps=2, num_rollouts_per_task=2,
-        max_completion_length=24, num_tasks=4, logs_root=str(tmp_path), output_name="rl-atropos",
-        difficulty="easy", max_agent_turns=2, rl_mode="atropos", env_workers=2, max_async_level=1,
-        drop_flat_groups=False,  # The tiny model scores 0 everywhere: every group is flat.
+        policy_model=str(tiny_model), total_steps=3, save_steps=1, batch_size=2, gradient_accumulation_steps=2,
+        num_rollouts_per_task=2, max_completion_length=24, num_tasks=4, logs_root=str(tmp_path / "first"),
+        output_name="rl-atropos", max_agent_turns=2, envs=["tests.training.test_checkpoints:VowelShareFileStats"],
+        rl_mode="atropos", env_workers=2, max_async_level=1, drop_flat_groups=False, device="cpu",
     )  # fmt: skip
-    kill = KillAWorker()
-    manifest = run_grpo(cfg, model_store, callbacks=[kill])
+    store = ArtifactStore(tmp_path / "store")
+    first = _train(cfg, store, kill=True)
+    assert first.returncode == -9, first.stderr[-3000:]
+    assert "env worker 0 exited (code -9): restarting it" in first.stderr
+    assert _left_running(str(tmp_path / "first")) == []  # Workers and run-api died with the trainer.
+    again = cfg.model_copy(update={"logs_root": str(tmp_path / "again")})
+    second = _train(again, store, kill=False)
+    assert second.returncode == 0, second.stderr[-3000:]
+    manifest = store.manifest(store.resolve("checkpoint/rl-atropos"))
     fed = manifest.metrics["atropos"]
-    assert manifest.metrics["steps"] == 3 and fed["groups_trained"] == 6
-    assert fed["worker_restarts"] >= 1 and kill.killed is not None
-    assert fed["mean_age_steps"] <= 1 and fed["endpoint_replies"] >= 12
-    run_dir = next(tmp_path.glob("run-*"))
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").open() if "reward" in json.loads(line)]
-    assert len(steps) == 3 and all(step["rollouts_retokenized"] == 0 for step in steps)
-    assert steps[-1]["atropos/groups_trained"] == 6 and "rewards/tool_use_chain/mean" in steps[-1]
+    assert manifest.metrics["steps"] == 3 and fed["groups_trained"] == 2 and fed["mean_age_steps"] <= 1
+    assert fed["refused"].get("malformed", 0) == 0 and fed["endpoint_replies"] >= 4
+    run_dir = next((tmp_path / "again").glob("run-*"))
+    steps = [m for m in map(json.loads, (run_dir / "metrics.jsonl").open()) if "reward" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]  # Steps 1-2 carried over, 3 trained here.
+    assert all(m["grad_norm"] > 0 for m in steps) and steps[-1]["reward_std"] > 0
+    assert steps[-1]["rollouts_retokenized"] == 0 and steps[-1]["atropos/groups_trained"] == 2
     assert {p.name for p in (run_dir / "envs").iterdir()} == {"run-api.log", "env-worker-0.log", "env-worker-1.log"}
-    assert not [p for p in psutil.Process().children(recursive=True) if "env_worker" in " ".join(p.cmdline())]
