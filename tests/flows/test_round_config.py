@@ -65,6 +65,9 @@ def test_a_changed_knob_changes_what_the_stage_runs() -> None:
     rl = work.rl_config(work.RLParams(config=config, policy="p"))
     assert (sft.learning_rate, rl.kl_beta, rl.max_agent_turns) == (3e-4, 0.2, 4)
     assert sft.output_name == "sft-r1" and rl.output_name == "rl-r1"
+    atropos = load_round_config("default", overrides=["rl.rl_mode=atropos", "rl.env_workers=3"])
+    fed = work.rl_config(work.RLParams(config=atropos, policy="p"))  # Workers drop flat groups: no screening.
+    assert (fed.rl_mode, fed.env_workers, fed.screen_tasks, profile("default").rl.screen_tasks) == ("atropos", 3, 0, 8)
 
 
 def test_layers_merge_profile_then_file_then_overrides(tmp_path: Path) -> None:
