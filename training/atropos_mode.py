@@ -43,7 +43,10 @@ class AtroposMode:
         top_k = cfg.sampling_top_k(False)
         self.endpoint = PolicyEndpoint(model_dir, tokenizer, top_k, cfg.max_completion_length)
         self.api = RunApi(self.fleet.api_url)
-        self.queue = GroupQueue(self.api, cfg.num_rollouts_per_task, cfg.max_async_level, len(tokenizer))
+        hint = f"; their logs: {self.fleet.log_dir}" + (
+            "; drop_flat_groups is on: a policy whose groups all score alike sends none" if cfg.drop_flat_groups else ""
+        )
+        self.queue = GroupQueue(self.api, cfg.num_rollouts_per_task, cfg.max_async_level, len(tokenizer), hint=hint)
 
     def dataset(self) -> Any:
         """The trainer's prompts: placeholders, one per rollout a step takes (its groups come from run-api)."""

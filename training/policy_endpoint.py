@@ -101,6 +101,11 @@ class PolicyEndpoint:
             max_new, temperature = int(body["max_tokens"]), float(body["temperature"])
         except (ValueError, KeyError, TypeError) as error:
             return web.json_response({"error": f"bad request: {error!r}"}, status=400)
+        vocab = self.generator.get_input_embeddings().num_embeddings
+        if not prompt_ids or not all(0 <= i < vocab for i in prompt_ids) or max_new < 1 or not temperature >= 0:
+            # One bad id would fail the generation step every request in flight shares.
+            return web.json_response({"error": "bad request: empty prompt, an id outside the vocabulary, "
+                                      "max_tokens < 1 or a negative temperature"}, status=400)  # fmt: skip
         new = await self.server.generate_paged(prompt_ids, temperature, max_new, seed)
         self.served += 1
         return web.json_response({"token_ids": new, "version": version})

@@ -90,8 +90,11 @@ def group_problem(group: Any, group_size: int, vocab_size: int) -> str | None:
 class GroupQueue:
     """Checked groups from `run-api`, handed to the trainer a step's worth at a time."""
 
-    def __init__(self, api: RunApi, group_size: int, max_async_level: int, vocab_size: int, wait: float = 600) -> None:
+    def __init__(
+        self, api: RunApi, group_size: int, max_async_level: int, vocab_size: int, wait: float = 600, hint: str = ""
+    ) -> None:
         self.api = api
+        self.hint = hint  # What to look at when no group comes.
         self.group_size = group_size
         self.max_async_level = max_async_level
         self.vocab_size = vocab_size
@@ -127,7 +130,7 @@ class GroupQueue:
             elif time.monotonic() - last_new > self.wait:
                 raise TimeoutError(
                     f"no group from run-api ({self.api.url}) in {self.wait:.0f} s, {len(ready)} of {count} in hand: "
-                    "are the env workers running? (refused so far: " + json.dumps(dict(self.refused)) + ")"
+                    "are the env workers running? (refused so far: " + json.dumps(dict(self.refused)) + ")" + self.hint
                 )
             else:
                 time.sleep(0.2)

@@ -112,8 +112,10 @@ def test_the_endpoint_serves_the_synced_weights_with_their_version(tiny_model: P
         remote = RemotePolicy(endpoint.url)
         after = asyncio.run(twice())[0]
         assert after[1] == 3
-        bad = httpx.post(f"{endpoint.url}/generate", json={"prompt_ids": "x"})
-        assert bad.status_code == 400 and "bad request" in bad.json()["error"]
+        for bad in ({"prompt_ids": "x"}, {"prompt_ids": [1, 10**7], "max_tokens": 4, "temperature": 1, "seed": 1}):
+            refused = httpx.post(f"{endpoint.url}/generate", json=bad)
+            assert refused.status_code == 400 and "bad request" in refused.json()["error"]
+        assert asyncio.run(twice())[0] == after  # The generation loop still serves.
 
 
 _RUN = """
