@@ -11,13 +11,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
-from flywheel.inference.server import free_port
+from flywheel.inference.server import free_port, wait_for_http
 
 
 def prefect_env(home: Path, api_url: str) -> dict[str, str]:
@@ -46,16 +43,10 @@ def local_server(home: Path, ui: bool = False, timeout: float = 120.0) -> Iterat
     env["PREFECT_UI_ENABLED"] = "true" if ui else "false"
     log = home / "server.log"
     with _process([prefect_bin(), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, log):
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(f"{env['PREFECT_API_URL']}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"prefect server did not start in {timeout:.0f}s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
+        try:
+            wait_for_http(f"{env['PREFECT_API_URL']}/health", timeout, "the prefect server")
+        except TimeoutError as err:
+            raise TimeoutError(f"{err}:\n{log.read_text()[-3000:]}") from None
         yield env
 
 

@@ -196,6 +196,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def wait_for_http(url: str, timeout_s: float, what: str) -> None:
+    """Poll `GET url` until it answers 200 (a process that is starting); TimeoutError naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=2.0) as client:
+        while True:
+            try:
+                if client.get(url).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not answer at {url} within {timeout_s:.0f} s")
+            time.sleep(0.2)
+
+
 def wait_until_healthy(
     base_url: str,
     timeout_s: float,

@@ -20,6 +20,8 @@ from typing import Any
 
 import httpx
 
+from flywheel.inference.server import wait_for_http
+
 logger = logging.getLogger(__name__)
 
 
@@ -49,16 +51,7 @@ class RunApi:
         return response.json().get("batch") or []
 
     def wait_until_up(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if self.client.get("/status").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"run-api at {self.url} did not answer within {timeout:.0f} s")
-            time.sleep(0.2)
+        wait_for_http(f"{self.url}/status", timeout, "run-api")
 
 
 def group_problem(group: Any, group_size: int, vocab_size: int) -> str | None:
