@@ -22,6 +22,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from flywheel.environments.sandbox.box import isolation_available
 from flywheel.training.env_fleet import EnvFleet
 from flywheel.training.grpo import GRPORunConfig, weighted_envs
 from flywheel.training.policy_endpoint import PolicyEndpoint
@@ -34,7 +35,14 @@ class AtroposMode:
 
     def __init__(self, cfg: GRPORunConfig, model_dir: Path, tokenizer: Any, run: RunDir) -> None:
         """Nothing starts here (`running` starts the processes and the endpoint's server), so a failure
-        before training leaves nothing behind."""
+        before training leaves nothing behind. Refused where the sandbox cannot be isolated: an agent's
+        commands would then share the loopback network with `run-api` and the endpoint (and could post
+        groups of their own)."""
+        if not isolation_available():
+            raise ValueError(
+                "rl_mode=atropos needs the sandbox's isolation (bubblewrap with user namespaces): without it an "
+                "agent's commands reach run-api on loopback; install bubblewrap or use rl_mode=sync"
+            )
         self.cfg = cfg
         config = run.path / "atropos-run.json"
         config.write_text(cfg.model_dump_json())
@@ -43,10 +51,13 @@ class AtroposMode:
         top_k = cfg.sampling_top_k(False)
         self.endpoint = PolicyEndpoint(model_dir, tokenizer, top_k, cfg.max_completion_length)
         self.api = RunApi(self.fleet.api_url)
-        hint = f"; their logs: {self.fleet.log_dir}" + (
+        hint = f"; the env workers' logs: {self.fleet.log_dir}" + (
             "; drop_flat_groups is on: a policy whose groups all score alike sends none" if cfg.drop_flat_groups else ""
         )
-        self.queue = GroupQueue(self.api, cfg.num_rollouts_per_task, cfg.max_async_level, len(tokenizer), hint=hint)
+        self.queue = GroupQueue(
+            self.api, cfg.num_rollouts_per_task, cfg.max_async_level, self.endpoint.vocab_size, hint=hint,
+            progress=lambda: self.endpoint.served, problem=self.fleet.problem,
+        )  # fmt: skip
 
     def dataset(self) -> Any:
         """The trainer's prompts: placeholders, one per rollout a step takes (its groups come from run-api)."""
@@ -68,7 +79,7 @@ class AtroposMode:
         """`run-api` and the policy endpoint up, the trainer registered, the env workers started, for the
         length of training; everything stopped after."""
         cfg = self.cfg
-        with self.fleet, self.endpoint:
+        with self.endpoint, self.fleet, contextlib.closing(self.api):  # The workers stop before the endpoint.
             self.api.wait_until_up()
             per_step = cfg.batch_size * cfg.gradient_accumulation_steps * trainer.accelerator.num_processes
             max_len = cfg.max_completion_length + 8192  # Prompts (tool schemas) plus the completion cap.

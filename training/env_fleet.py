@@ -1,50 +1,63 @@
 """The processes beside an atropos-mode GRPO trainer: atroposlib's `run-api` and the env workers.
 
-A worker that dies is started again (its in-flight groups are lost, not the run); every process
-here dies with the trainer (`PR_SET_PDEATHSIG`), so a killed trainer leaves none behind, and its
-resumed run starts a fleet of its own. Each process logs to a file in the run's folder.
+A worker that dies is started again after a back-off (its in-flight groups are lost, not the run),
+on items and sampling seeds of its own (a restart never replays what its predecessor rolled); one
+that keeps dying is given up after `max_restarts`, and `problem()` says so once none is left.
+Every process here dies with the trainer: each sets its parent-death signal itself, before
+`exec` (`preexec_fn` can deadlock a child forked from a threaded parent), so a killed trainer
+leaves none behind and its resumed run starts a fleet of its own. Each logs to a file in the
+run's folder.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import signal
+import os
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
-from typing import IO
 
 from flywheel.inference import free_port
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the process that started it exits (Linux)."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+# `python -c _DIE_WITH_PARENT PARENT_PID PROGRAM ARGS...`: SIGTERM when the parent exits
+# (PR_SET_PDEATHSIG survives exec), unless the parent is already gone; then exec PROGRAM.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
+    "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execv(sys.argv[2], sys.argv[2:])"
+)
 
 
 class EnvFleet:
     """`run-api` on a free local port, and `workers` env workers (`flywheel.training.env_worker`) over
     `envs` in turn, watched every `poll` seconds; a context manager."""
 
-    def __init__(self, envs: list[str], workers: int, worker_args: list[str], log_dir: Path, poll: float = 1.0) -> None:
+    def __init__(
+        self,
+        envs: list[str],
+        workers: int,
+        worker_args: list[str],
+        log_dir: Path,
+        poll: float = 1.0,
+        max_restarts: int = 5,
+    ) -> None:
         self.envs = envs
         self.workers = workers
         self.worker_args = worker_args
         self.log_dir = log_dir
         self.poll = poll
+        self.max_restarts = max_restarts
         self.api_port = free_port()
         self.api_url = f"http://127.0.0.1:{self.api_port}"
         self.restarts: Counter[int] = Counter()
+        self.given_up: set[int] = set()
         self._api: subprocess.Popen[bytes] | None = None
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
-        self._logs: list[IO[bytes]] = []
+        self._due: dict[int, float] = {}  # A dead worker's restart time.
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="env-fleet", daemon=True)
         self._lock = threading.Lock()
@@ -65,9 +78,11 @@ class EnvFleet:
                 self._procs[index] = self._start_worker(index)
         self._watcher.start()
 
-    def worker_pids(self) -> dict[int, int]:
-        with self._lock:
-            return {index: proc.pid for index, proc in self._procs.items()}
+    def problem(self) -> str | None:
+        """Why no group can come any more (None: workers are running or will be restarted)."""
+        if self.workers and len(self.given_up) == self.workers:
+            return f"every env worker died {self.max_restarts + 1} times: see their logs in {self.log_dir}"
+        return None
 
     def close(self) -> None:
         self._stop.set()
@@ -84,28 +99,38 @@ class EnvFleet:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        for log in self._logs:
-            log.close()
 
     def _start_worker(self, index: int) -> subprocess.Popen[bytes]:
         env = self.envs[index % len(self.envs)]
         command = [sys.executable, "-m", "flywheel.training.env_worker", *self.worker_args, "--env", env]
-        return self._spawn([*command, "--index", str(index)], f"env-worker-{index}")
+        command += ["--index", str(index), "--restart", str(self.restarts[index])]
+        return self._spawn(command, f"env-worker-{index}")
 
     def _spawn(self, command: list[str], name: str) -> subprocess.Popen[bytes]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - open for the process's lifetime.
-        self._logs.append(log)
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        with open(self.log_dir / f"{name}.log", "ab") as log:  # The child keeps its own descriptor.
+            wrapped = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
+            return subprocess.Popen(wrapped, stdout=log, stderr=subprocess.STDOUT)
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll):
             with self._lock:
                 for index, proc in list(self._procs.items()):
-                    if proc.poll() is not None and not self._stop.is_set():
-                        self.restarts[index] += 1
+                    if proc.poll() is None or index in self.given_up or self._stop.is_set():
+                        continue
+                    if index not in self._due:
+                        if self.restarts[index] >= self.max_restarts:
+                            self.given_up.add(index)
+                            logger.error("env worker %d exited (code %s) for the last time", index, proc.returncode)
+                            continue
+                        delay = min(30.0, 2.0 ** self.restarts[index])
+                        self._due[index] = time.monotonic() + delay
                         logger.warning(
-                            "env worker %d exited (code %s): restarting it (restart %d); its in-flight groups are lost",
-                            index, proc.returncode, self.restarts[index],
+                            "env worker %d exited (code %s): restarting it in %.0f s (restart %d); "
+                            "its in-flight groups are lost",
+                            index, proc.returncode, delay, self.restarts[index] + 1,
                         )  # fmt: skip
+                    elif time.monotonic() >= self._due[index]:
+                        del self._due[index]
+                        self.restarts[index] += 1
                         self._procs[index] = self._start_worker(index)

@@ -24,12 +24,14 @@ from typing import Any
 from flywheel.environments.hermes_base_env import HermesAgentBaseEnv
 from flywheel.training.grpo import GRPORunConfig, on_policy_tokenizer, policy_env
 from flywheel.training.policy_endpoint import RemotePolicy
-from flywheel.training.rollouts import Outcome, PolicyServer, Task, retokenized, run_rollouts, sampled
+from flywheel.training.rollouts import Outcome, PolicyServer, Task, mix_seed, retokenized, run_rollouts, sampled
 
 logger = logging.getLogger(__name__)
 
-# Items of one env are numbered from the worker's offset: two workers of an env never roll the same item.
+# Items of one env are numbered from the worker's offset (and its restart's): two workers of an env,
+# or a worker and the one restarted in its place, never roll the same item.
 ITEMS_PER_WORKER = 1_000_000
+ITEMS_PER_RESTART = 10_000
 
 
 def scored_group(env: HermesAgentBaseEnv, item: dict[str, Any], outcomes: list[Outcome], limit: int) -> dict[str, Any]:
@@ -74,8 +76,12 @@ def serve_with_policy(env: HermesAgentBaseEnv, policy: PolicyServer, limit: int)
     env.collect_trajectories = collect_trajectories  # type: ignore[method-assign]
 
 
-def worker_env(cfg: GRPORunConfig, name: str, index: int, api: str, model_dir: Path) -> HermesAgentBaseEnv:
-    """Env `name` configured as worker `index` of the run: atroposlib's serve settings from the run's."""
+def worker_env(
+    cfg: GRPORunConfig, name: str, index: int, restart: int, api: str, model_dir: Path
+) -> HermesAgentBaseEnv:
+    """Env `name` configured as worker `index` (after `restart` restarts) of the run: atroposlib's serve
+    settings from the run's. Its periodic evaluation is off (it would stop training to evaluate
+    against the env's own server), and an item may take as long as a CPU rollout takes."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -89,7 +95,9 @@ def worker_env(cfg: GRPORunConfig, name: str, index: int, api: str, model_dir: P
         use_wandb=False,
         wandb_name=f"{name}-{index}",
         agent_temperature=cfg.temperature,
-        first_item=index * ITEMS_PER_WORKER,
+        first_item=index * ITEMS_PER_WORKER + restart * ITEMS_PER_RESTART,
+        steps_per_eval=0,
+        worker_timeout=-1,  # Rollouts end on their own limits: turns, tokens, the sandbox's command limit.
     )  # fmt: skip
     on_policy_tokenizer(cfg, env, model_dir, tokenizer)
     return env
@@ -100,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", type=Path, required=True, help="The run's GRPORunConfig as JSON.")
     parser.add_argument("--env", required=True)
     parser.add_argument("--index", type=int, default=0)
+    parser.add_argument("--restart", type=int, default=0, help="How many times this worker was started before.")
     parser.add_argument("--api", required=True, help="run-api's URL.")
     parser.add_argument("--policy", required=True, help="The trainer's policy endpoint.")
     parser.add_argument("--model-dir", type=Path, required=True, help="The policy's tokenizer and chat template.")
@@ -109,8 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     cfg = GRPORunConfig.model_validate(json.loads(args.config.read_text()))
-    torch.manual_seed(cfg.seed * 1009 + args.index)  # Each worker's sampling seeds are its own.
-    env = worker_env(cfg, args.env, args.index, args.api, args.model_dir)
+    torch.manual_seed(mix_seed(cfg.seed, args.index, args.restart))  # Each worker's sampling seeds are its own.
+    env = worker_env(cfg, args.env, args.index, args.restart, args.api, args.model_dir)
     policy = PolicyServer(lambda: None, env.tokenizer, cfg.sampling_top_k(False), cfg.max_completion_length,
                           remote=RemotePolicy(args.policy))  # fmt: skip
     serve_with_policy(env, policy, cfg.max_completion_length)

@@ -4,10 +4,13 @@ The trainer keeps a second copy of its weights for generation, so training never
 a forward pass is reading, serves it with `PolicyServer`'s continuous batching at `POST /generate`
 (`{"prompt_ids", "max_tokens", "temperature", "seed"}` -> `{"token_ids", "version"}`: token ids in and
 out, nothing re-tokenised), and loads the trainer's weights into the copy after every optimizer step
-(`sync`), the version becoming the trainer's step. A reply reports the version loaded when its
-request arrived: one whose generation spans a sync counts as made by the older weights, so a
-group's age is never under-counted. Replies carry no sampling log-probs (seeded Gumbel-max sampling
-leaves none), as in-process CPU generation does: the trainer scores the old policy itself.
+(`sync`, with the generation loops parked between forward passes), the version becoming the
+trainer's step. A reply reports the version loaded when its request arrived: one whose generation
+spans a sync counts as made by the older weights, so a group's age is never under-counted. Cached
+prompt pages are not shared between requests here (they would hold keys and values of older
+weights for every later request with the same tool schemas). Replies carry no sampling log-probs
+(seeded Gumbel-max sampling leaves none), as in-process CPU generation does: the trainer scores
+the old policy itself.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ class PolicyEndpoint:
 
         self.generator = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.generator.requires_grad_(False)
-        self.server = PolicyServer(lambda: self.generator, tokenizer, top_k, max_new_tokens)
+        self.server = PolicyServer(lambda: self.generator, tokenizer, top_k, max_new_tokens, prefix_sharing=False)
+        self.vocab_size = int(self.generator.config.vocab_size)
         self.version = 0
         self.served = 0
         self.host = host
@@ -60,25 +64,28 @@ class PolicyEndpoint:
         import torch
 
         source = dict(model.named_parameters()) | dict(model.named_buffers())
-        with torch.no_grad():
+        with torch.no_grad(), self.server.paused():
             for name, tensor in [*self.generator.named_parameters(), *self.generator.named_buffers()]:
                 tensor.copy_(source[name].detach().to(tensor.dtype))
         self.version = version
 
     def close(self) -> None:
         """Stop serving and the generation threads."""
-        if self._loop is not None and self._thread is not None and self._thread.is_alive():
-            asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(timeout=60)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=60)
-            self._loop.close()
-        self.server.close()
+        try:
+            if self._loop is not None and self._thread is not None and self._thread.is_alive():
+                asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(timeout=30)
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=30)
+                self._loop.close()
+        finally:
+            self.server.close()  # Its generation threads would keep the process from exiting.
 
     async def _start(self) -> None:
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/version", self._version)
-        self._runner = web.AppRunner(app, access_log=None)
+        # A request whose worker gave up (a cancelled rollout) stops generating; shutdown waits 5 s for the rest.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, 0)
         await site.start()
@@ -101,8 +108,12 @@ class PolicyEndpoint:
             max_new, temperature = int(body["max_tokens"]), float(body["temperature"])
         except (ValueError, KeyError, TypeError) as error:
             return web.json_response({"error": f"bad request: {error!r}"}, status=400)
-        vocab = self.generator.get_input_embeddings().num_embeddings
-        if not prompt_ids or not all(0 <= i < vocab for i in prompt_ids) or max_new < 1 or not temperature >= 0:
+        if (
+            not prompt_ids
+            or not all(0 <= i < self.vocab_size for i in prompt_ids)
+            or max_new < 1
+            or not temperature >= 0
+        ):
             # One bad id would fail the generation step every request in flight shares.
             return web.json_response({"error": "bad request: empty prompt, an id outside the vocabulary, "
                                       "max_tokens < 1 or a negative temperature"}, status=400)  # fmt: skip

@@ -32,6 +32,7 @@ long as they take). A resumed GRPO run rolls out what the uninterrupted run roll
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import copy
 import gc
@@ -42,7 +43,7 @@ import math
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -157,6 +158,7 @@ class PolicyServer:
         vllm: Any = None,
         device: Any = None,
         remote: Any = None,
+        prefix_sharing: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -165,6 +167,7 @@ class PolicyServer:
         self.vllm = vllm
         self.device = device  # The rank's device: vLLM generates on it from a worker thread.
         self.remote = remote  # A `RemotePolicy`: the trainer's weights behind an endpoint (atropos mode).
+        self.prefix_sharing = prefix_sharing  # Off where the weights change under running generation loops.
         self._model_lock = threading.Lock()  # One vLLM generate at a time.
         self._queue_lock = threading.Lock()
         self._queue: list[_Request] = []
@@ -208,6 +211,15 @@ class PolicyServer:
             self._was_training = None
         if self._autocast_forward is not None:
             self.model().forward, self._autocast_forward = self._autocast_forward, None
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Every running generation loop parked, its requests and cache kept: the weights may change in place."""
+        with contextlib.ExitStack() as stack:
+            for manager in list(self._managers.values()):
+                if manager.is_running():
+                    stack.enter_context(manager.pause())
+            yield
 
     async def chat_completion(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
         messages = messages_with_dict_arguments(messages)
@@ -325,8 +337,9 @@ class PolicyServer:
         else:
             config.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         paging = ContinuousBatchingConfig(
-            page_size=PAGE_TOKENS, max_batch_tokens=PAGED_BATCH_TOKENS, max_memory_percent=PAGED_MEMORY_SHARE
-        )
+            page_size=PAGE_TOKENS, max_batch_tokens=PAGED_BATCH_TOKENS, max_memory_percent=PAGED_MEMORY_SHARE,
+            allow_block_sharing=self.prefix_sharing,
+        )  # fmt: skip
         # The last training step's activations sit freed, and fragmented, in the allocator (tcmalloc keeps
         # them): the pool's large tensors would be mapped beside them, so hand them back first.
         return_free_heap()

@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -43,6 +44,9 @@ class RunApi:
         }  # fmt: skip
         self.client.post("/register", json=body).raise_for_status()
         self.client.get("/batch").raise_for_status()  # The first poll lets envs register.
+
+    def close(self) -> None:
+        self.client.close()
 
     def batch(self) -> list[dict[str, Any]]:
         """The groups of the next batch `run-api` has ready (none yet: empty)."""
@@ -74,6 +78,11 @@ def group_problem(group: Any, group_size: int, vocab_size: int) -> str | None:
             return "a sequence with nothing to train on"
     if any(isinstance(s, bool) or not isinstance(s, int | float) or not math.isfinite(s) for s in scores):
         return "a score that is not a finite number"
+    overrides = group.get("overrides")
+    if overrides is not None and not (
+        isinstance(overrides, list) and len(overrides) == group_size and all(isinstance(o, dict) for o in overrides)
+    ):
+        return "overrides that are not one dict a sequence"
     version = (group.get("group_overrides") or {}).get("policy_version")
     if isinstance(version, bool) or not isinstance(version, int):
         return "no policy version"
@@ -81,13 +90,31 @@ def group_problem(group: Any, group_size: int, vocab_size: int) -> str | None:
 
 
 class GroupQueue:
-    """Checked groups from `run-api`, handed to the trainer a step's worth at a time."""
+    """Checked groups from `run-api`, handed to the trainer a step's worth at a time.
+
+    It waits while the workers make progress (`progress()`, the policy endpoint's replies, grows, or a
+    group is accepted) and fails with what it knows after `wait` seconds without any, as soon as
+    `problem()` names a reason no group can come, or after `max_refused` groups refused in a row.
+    """
 
     def __init__(
-        self, api: RunApi, group_size: int, max_async_level: int, vocab_size: int, wait: float = 600, hint: str = ""
+        self,
+        api: RunApi,
+        group_size: int,
+        max_async_level: int,
+        vocab_size: int,
+        wait: float = 600,
+        hint: str = "",
+        progress: Callable[[], int] = lambda: 0,
+        problem: Callable[[], str | None] = lambda: None,
+        max_refused: int = 100,
     ) -> None:
         self.api = api
         self.hint = hint  # What to look at when no group comes.
+        self.progress = progress
+        self.problem = problem
+        self.max_refused = max_refused
+        self._refused_in_a_row = 0
         self.group_size = group_size
         self.max_async_level = max_async_level
         self.vocab_size = vocab_size
@@ -100,39 +127,49 @@ class GroupQueue:
         """`count` groups to train step `step + 1` on (the weights are version `step`), none older than
         `max_async_level` steps; waits for `run-api` up to `wait` seconds without a new group."""
         ready: list[dict[str, Any]] = []
-        last_new = time.monotonic()
+        last_progress, seen = time.monotonic(), self.progress()
         while True:
             kept = []
             for group in self._pending:
                 age = step - group["group_overrides"]["policy_version"]
                 if age > self.max_async_level:
-                    self.refused["stale"] += 1
+                    self._refuse("stale")
                 elif age < 0:  # Weights this run never had: another run's groups.
-                    self.refused["from_another_run"] += 1
+                    self._refuse("from_another_run")
                 elif len(ready) < count:
                     ready.append(group)
                     self.ages.append(age)
+                    self._refused_in_a_row, last_progress = 0, time.monotonic()
                 else:
                     kept.append(group)
             self._pending = kept
             if len(ready) == count:
                 return ready
-            batch = self.api.batch()
-            if batch:
-                last_new = time.monotonic()
-            elif time.monotonic() - last_new > self.wait:
-                raise TimeoutError(
-                    f"no group from run-api ({self.api.url}) in {self.wait:.0f} s, {len(ready)} of {count} in hand: "
-                    "are the env workers running? (refused so far: " + json.dumps(dict(self.refused)) + ")" + self.hint
+            if (now := self.progress()) != seen:
+                last_progress, seen = time.monotonic(), now
+            why = self.problem() or (
+                f"no progress from the env workers in {self.wait:.0f} s" if time.monotonic() - last_progress > self.wait
+                else f"{self._refused_in_a_row} groups refused in a row" if self._refused_in_a_row >= self.max_refused
+                else None
+            )  # fmt: skip
+            if why:
+                raise RuntimeError(
+                    f"no trainable group from run-api ({self.api.url}), {len(ready)} of {count} in hand: {why} "
+                    f"(refused so far: {json.dumps(dict(self.refused))}){self.hint}"
                 )
-            else:
+            batch = self.api.batch()
+            if not batch:
                 time.sleep(0.2)
             for group in batch:
                 if problem := group_problem(group, self.group_size, self.vocab_size):
-                    self.refused["malformed"] += 1
+                    self._refuse("malformed")
                     logger.warning("a group from run-api refused: %s", problem)
                 else:
                     self._pending.append(group)
+
+    def _refuse(self, reason: str) -> None:
+        self.refused[reason] += 1
+        self._refused_in_a_row += 1
 
 
 def atropos_rollout_func(queue: GroupQueue, group_size: int, max_completion_length: int) -> Any:
@@ -145,7 +182,7 @@ def atropos_rollout_func(queue: GroupQueue, group_size: int, max_completion_leng
         out |= {"task_completed": [], "env": [], "retokenized": []}
         for group in groups:
             overrides = group.get("overrides") or [{}] * group_size
-            rows = zip(group["tokens"], group["masks"], group["scores"], overrides, strict=True)
+            rows = zip(group["tokens"], group["masks"], group["scores"], overrides, strict=True)  # Checked lengths.
             for ids, mask, score, extra in rows:
                 start = next(i for i, m in enumerate(mask) if m != -100)
                 out["prompt_ids"].append(ids[:start])

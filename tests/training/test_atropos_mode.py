@@ -52,6 +52,7 @@ def _group(version: Any = 2, tokens: list[list[int]] | None = None, **fields: An
         ({"scores": [True, 0.0]}, "not a finite number"),
         ({"group_overrides": {"env": "tool_use_chain"}}, "no policy version"),
         ({"group_overrides": None}, "no policy version"),
+        ({"overrides": [{"task_completed": True}]}, "overrides that are not one dict a sequence"),
     ],
 )  # fmt: skip
 def test_a_malformed_group_is_named(fields: dict[str, Any], problem: str) -> None:
@@ -62,7 +63,8 @@ def test_a_malformed_group_is_named(fields: dict[str, Any], problem: str) -> Non
 def test_the_queue_trains_fresh_groups_and_counts_what_it_refuses(tmp_path: Path) -> None:
     """Through a real run-api: of seven groups posted, the trainer at step 3 (max_async_level 1) takes
     the two of versions 2 and 3; one from version 0 is stale, one from version 9 another run's, three
-    are malformed. With nothing left, waiting ends in an error that names the refusals."""
+    are malformed. With nothing left and no progress, waiting ends in an error that names the refusals;
+    a fleet that gave up ends it at once."""
     with EnvFleet([], 0, [], tmp_path) as fleet:
         api = RunApi(fleet.api_url)
         api.wait_until_up()
@@ -76,9 +78,26 @@ def test_the_queue_trains_fresh_groups_and_counts_what_it_refuses(tmp_path: Path
         taken = {g["group_overrides"]["policy_version"]: g for g in queue.take(2, step=3)}  # run-api's order: LIFO.
         assert sorted(taken) == [2, 3] and sorted(queue.ages) == [0, 1]
         assert taken[3]["scores"] == [0.0, 0.5] and taken[2]["tokens"] == posted[1]["tokens"]
-        with pytest.raises(TimeoutError, match=r"no group from run-api .* env workers running.*\"stale\": 1"):
+        with pytest.raises(RuntimeError, match=r"no progress from the env workers in 1 s .*\"stale\": 1"):
             queue.take(1, step=3)
         assert queue.refused == {"stale": 1, "from_another_run": 1, "malformed": 3} and len(queue.ages) == 2
+        queue.problem = lambda: "every env worker died 6 times"
+        with pytest.raises(RuntimeError, match="every env worker died"):
+            queue.take(1, step=3)
+
+
+def test_a_worker_that_keeps_dying_is_given_up_after_its_restarts(tmp_path: Path) -> None:
+    """Restarted after a back-off, each time on items of its own; then given up, and the fleet says why."""
+    args = ["--config", str(tmp_path / "missing.json"), "--model-dir", str(tmp_path)]
+    with EnvFleet(["tool_use_chain"], 1, args, tmp_path, poll=0.2, max_restarts=1) as fleet:
+        fleet.start_workers("http://127.0.0.1:1")
+        deadline = time.monotonic() + 120
+        while fleet.problem() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert fleet.restarts[0] == 1 and fleet.given_up == {0}
+        assert "every env worker died 2 times" in (fleet.problem() or "")
+    log = (tmp_path / "env-worker-0.log").read_text()
+    assert log.count("FileNotFoundError") == 2  # Two starts, each failing on its missing config.
 
 
 def test_the_endpoint_serves_the_synced_weights_with_their_version(tiny_model: Path) -> None:
