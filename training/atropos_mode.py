@@ -4,12 +4,12 @@
        ▲                                                                        │ scored groups
        └──────────── checked groups (version, shape) ◀── run-api ◀──────────────┘
 
-The env workers (`env_worker`) generate while the trainer trains: a group sampled with weights at
-most `max_async_level` steps old is trained on, an older one refused (`trajectory_api`). The
-trainer registers with `run-api` once its weights are loaded, then starts the workers; the
-endpoint takes the trainer's weights after every optimizer step, and at the start of training (a
-resumed run's step-k weights are version k, and groups its killed run left in `run-api` are
-refused as stale).
+The env workers (`env_worker`, at least one an env, over the envs in turn) generate while the
+trainer trains: a group sampled with weights at most `max_async_level` steps old is trained on, an
+older one refused (`trajectory_api`). The trainer registers with `run-api` once its weights are
+loaded, then starts the workers; the endpoint takes the trainer's weights after every optimizer
+step, and at the start of training (a resumed run's step-k weights are version k: its workers'
+first groups, made before that load, are refused as stale).
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class AtroposMode:
         config = run.path / "atropos-run.json"
         config.write_text(cfg.model_dump_json())
         worker_args = ["--config", str(config), "--model-dir", str(model_dir)]
-        self.fleet = EnvFleet(weighted_envs(cfg), cfg.env_workers, worker_args, run.path / "envs")
+        envs = weighted_envs(cfg)
+        self.fleet = EnvFleet(envs, max(cfg.env_workers, len(envs)), worker_args, run.path / "envs")
         top_k = cfg.sampling_top_k(False)
         self.endpoint = PolicyEndpoint(model_dir, tokenizer, top_k, cfg.max_completion_length)
         self.api = RunApi(self.fleet.api_url)

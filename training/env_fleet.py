@@ -55,6 +55,7 @@ class EnvFleet:
         self.api_url = f"http://127.0.0.1:{self.api_port}"
         self.restarts: Counter[int] = Counter()
         self.given_up: set[int] = set()
+        self.error: str | None = None  # What stopped the watcher, if anything did.
         self._api: subprocess.Popen[bytes] | None = None
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._due: dict[int, float] = {}  # A dead worker's restart time.
@@ -80,6 +81,8 @@ class EnvFleet:
 
     def problem(self) -> str | None:
         """Why no group can come any more (None: workers are running or will be restarted)."""
+        if self.error:
+            return f"the env workers' watcher failed: {self.error}"
         if self.workers and len(self.given_up) == self.workers:
             return f"every env worker died {self.max_restarts + 1} times: see their logs in {self.log_dir}"
         return None
@@ -113,24 +116,32 @@ class EnvFleet:
             return subprocess.Popen(wrapped, stdout=log, stderr=subprocess.STDOUT)
 
     def _watch(self) -> None:
-        while not self._stop.wait(self.poll):
-            with self._lock:
-                for index, proc in list(self._procs.items()):
-                    if proc.poll() is None or index in self.given_up or self._stop.is_set():
+        try:
+            while not self._stop.wait(self.poll):
+                self._check()
+        except Exception as error:  # Its workers die with this thread (their parent-death signal).
+            logger.exception("the env workers' watcher failed")
+            self.error = repr(error)
+
+    def _check(self) -> None:
+        """Restart the workers that died and are due (after their back-off); give up on those that died too often."""
+        with self._lock:
+            for index, proc in list(self._procs.items()):
+                if proc.poll() is None or index in self.given_up or self._stop.is_set():
+                    continue
+                if index not in self._due:
+                    if self.restarts[index] >= self.max_restarts:
+                        self.given_up.add(index)
+                        logger.error("env worker %d exited (code %s) for the last time", index, proc.returncode)
                         continue
-                    if index not in self._due:
-                        if self.restarts[index] >= self.max_restarts:
-                            self.given_up.add(index)
-                            logger.error("env worker %d exited (code %s) for the last time", index, proc.returncode)
-                            continue
-                        delay = min(30.0, 2.0 ** self.restarts[index])
-                        self._due[index] = time.monotonic() + delay
-                        logger.warning(
-                            "env worker %d exited (code %s): restarting it in %.0f s (restart %d); "
-                            "its in-flight groups are lost",
-                            index, proc.returncode, delay, self.restarts[index] + 1,
-                        )  # fmt: skip
-                    elif time.monotonic() >= self._due[index]:
-                        del self._due[index]
-                        self.restarts[index] += 1
-                        self._procs[index] = self._start_worker(index)
+                    delay = min(30.0, 2.0 ** self.restarts[index])
+                    self._due[index] = time.monotonic() + delay
+                    logger.warning(
+                        "env worker %d exited (code %s): restarting it in %.0f s (restart %d); "
+                        "its in-flight groups are lost",
+                        index, proc.returncode, delay, self.restarts[index] + 1,
+                    )  # fmt: skip
+                elif time.monotonic() >= self._due[index]:
+                    del self._due[index]
+                    self.restarts[index] += 1
+                    self._procs[index] = self._start_worker(index)

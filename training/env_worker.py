@@ -47,7 +47,7 @@ def scored_group(env: HermesAgentBaseEnv, item: dict[str, Any], outcomes: list[O
         group["tokens"].append(prompt + completion)
         group["masks"].append([-100] * len(prompt) + [t if m else -100 for t, m in zip(completion, mask, strict=True)])
         group["scores"].append(float(reward or 0.0))
-        group["overrides"].append({"task_completed": bool(result.task_completed), "retokenized": not exact})
+        group["overrides"].append({"task_completed": result.task_completed, "retokenized": not exact})
         group["messages"].append([{"role": m["role"], "content": str(m.get("content") or "")} for m in result.messages])
         versions += trajectory.versions
     group["group_overrides"] = {
@@ -97,6 +97,7 @@ def worker_env(
         agent_temperature=cfg.temperature,
         first_item=index * ITEMS_PER_WORKER + restart * ITEMS_PER_RESTART,
         steps_per_eval=0,
+        max_num_workers=8,  # Items in flight (atroposlib derives it from its server list, which the policy replaces).
         worker_timeout=-1,  # Rollouts end on their own limits: turns, tokens, the sandbox's command limit.
     )  # fmt: skip
     on_policy_tokenizer(cfg, env, model_dir, tokenizer)

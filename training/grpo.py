@@ -246,6 +246,12 @@ def run_grpo(
     if cfg.rl_mode == "atropos":
         from flywheel.training.atropos_mode import AtroposMode
 
+        if any(not isinstance(env, str) for env in envs or []):
+            raise ValueError(
+                "rl_mode=atropos builds each env in its worker processes from its name: pass envs by name, "
+                "module:Class or file path, not instances"
+            )
+
         atropos = AtroposMode(cfg, model_dir, tokenizer, run)
         dataset, rollout_func, agents = atropos.dataset(), atropos.rollout_func(), []
     else:

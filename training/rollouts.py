@@ -168,6 +168,7 @@ class PolicyServer:
         self.device = device  # The rank's device: vLLM generates on it from a worker thread.
         self.remote = remote  # A `RemotePolicy`: the trainer's weights behind an endpoint (atropos mode).
         self.prefix_sharing = prefix_sharing  # Off where the weights change under running generation loops.
+        self.servers: list[Any] = []  # atroposlib's `ServerManager` surface (an env's serve loop reads it): none.
         self._model_lock = threading.Lock()  # One vLLM generate at a time.
         self._queue_lock = threading.Lock()
         self._queue: list[_Request] = []
@@ -211,6 +212,10 @@ class PolicyServer:
             self._was_training = None
         if self._autocast_forward is not None:
             self.model().forward, self._autocast_forward = self._autocast_forward, None
+
+    async def update_weight(self, weight: float) -> None:
+        """atroposlib's `ServerManager` surface, which an env's serve loop calls with its sampling weight
+        from run-api: one policy, nothing to weigh."""
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -607,6 +612,7 @@ async def run_rollouts(batch: list[Task], server: PolicyServer, temperature: flo
     batch_seed, rank = draw_seed(), int(os.environ.get("RANK", "0"))
 
     async def one(index: int, task: Task) -> Outcome:
+        task.env.server = server  # What the env calls besides the agent loop (an LLM judge) is the policy too.
         trajectory = Trajectory(seed=mix_seed(batch_seed, rank, index))
         _TRAJECTORY.set(trajectory)  # This task's context: its generation calls find it.
         result, reward = await task.env.run_agent(task.item, temperature, server=server)

@@ -1,8 +1,8 @@
 """The trainer's side of atropos-mode GRPO: scored groups from atroposlib's `run-api`, checked, as TRL rollouts.
 
 `run-api` (atroposlib 0.4) knows no policy version, keeps its queue when a trainer registers again
-(a resumed run finds the groups its killed run left), and hands out whatever it was sent. So the
-checks are the trainer's: a group must be `group_size` rollouts whose masks train only the ids
+(a shared one would hand a resumed run what its killed run left), and hands out whatever it was
+sent. So the checks are the trainer's: a group must be `group_size` rollouts whose masks train only the ids
 they mark, with finite scores and the policy version it was sampled with; a group older than
 `max_async_level` steps is refused (dropped, not corrected: in-process CPU generation gives no
 sampling log-probs to correct with, and a bounded age keeps the step close to on-policy, as
@@ -189,7 +189,8 @@ def atropos_rollout_func(queue: GroupQueue, group_size: int, max_completion_leng
                 out["completion_ids"].append(ids[start:][:max_completion_length])
                 out["env_mask"].append([int(m != -100) for m in mask[start:][:max_completion_length]])
                 out["env_reward"].append(float(score))
-                out["task_completed"].append(bool((extra or {}).get("task_completed", score >= 1.0)))
+                completed = (extra or {}).get("task_completed")  # None: the env did not say; full reward counts.
+                out["task_completed"].append(bool(completed) if completed is not None else score >= 1.0)
                 out["env"].append(group["group_overrides"].get("env", "env"))
                 out["retokenized"].append(bool((extra or {}).get("retokenized")))
         out["logprobs"] = None  # The trainer scores the old policy itself (no sampling log-probs travel).

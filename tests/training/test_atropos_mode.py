@@ -151,6 +151,8 @@ class Kills(TrainerCallback):
             os.kill(workers[0].pid, signal.SIGKILL)
     def on_save(self, args, state, control, **kwargs):  # The trainer, after step 2's checkpoint.
         if state.global_step == 2 and sys.argv[3] == "kill":
+            with open(sys.argv[4], "w") as out:  # Its fleet: run-api and the workers.
+                out.write(" ".join(str(p.pid) for p in psutil.Process().children(recursive=True)))
             os.kill(os.getpid(), signal.SIGKILL)
 
 cfg = GRPORunConfig.model_validate_json(sys.argv[1])
@@ -158,17 +160,17 @@ run_grpo(cfg, ArtifactStore(sys.argv[2]), callbacks=[Kills()])
 """
 
 
-def _train(cfg: GRPORunConfig, store: ArtifactStore, kill: bool) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-c", _RUN, cfg.model_dump_json(), store.url, "kill" if kill else "no"]
+def _train(cfg: GRPORunConfig, store: ArtifactStore, kill: bool, fleet: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-c", _RUN, cfg.model_dump_json(), store.url, "kill" if kill else "no", str(fleet)]
     environ = {**os.environ, "PYTHONPATH": str(ROOT)}  # The env workers import the test's env too.
     return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=environ, timeout=900)
 
 
-def _left_running(marker: str) -> list[psutil.Process]:
-    """A run's processes still alive after 10 s, found by a path only that run's command lines hold."""
-    left: list[psutil.Process] = []
+def _left_running(pids: list[int]) -> list[int]:
+    """Those of `pids` still alive after 10 s."""
+    left = pids
     for _ in range(50):
-        left = [p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
+        left = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
         if not left:
             break
         time.sleep(0.2)
@@ -189,12 +191,14 @@ def test_atropos_grpo_outlives_a_killed_env_worker_and_resumes_after_a_trainer_k
         rl_mode="atropos", env_workers=2, max_async_level=1, drop_flat_groups=False, device="cpu",
     )  # fmt: skip
     store = ArtifactStore(tmp_path / "store")
-    first = _train(cfg, store, kill=True)
+    fleet = tmp_path / "fleet.txt"
+    first = _train(cfg, store, kill=True, fleet=fleet)
     assert first.returncode == -9, first.stderr[-3000:]
     assert "env worker 0 exited (code -9): restarting it" in first.stderr
-    assert _left_running(str(tmp_path / "first")) == []  # Workers and run-api died with the trainer.
+    pids = [int(pid) for pid in fleet.read_text().split()]
+    assert len(pids) >= 3 and _left_running(pids) == []  # run-api and both workers died with the trainer.
     again = cfg.model_copy(update={"logs_root": str(tmp_path / "again")})
-    second = _train(again, store, kill=False)
+    second = _train(again, store, kill=False, fleet=fleet)
     assert second.returncode == 0, second.stderr[-3000:]
     manifest = store.manifest(store.resolve("checkpoint/rl-atropos"))
     fed = manifest.metrics["atropos"]
