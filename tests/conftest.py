@@ -68,8 +68,19 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 def s3_endpoint() -> Iterator[str]:
     """A moto S3 server on 127.0.0.1 with a versioned bucket; AWS env vars point at it."""
     import boto3
+    from moto.s3.responses import S3Response
     from moto.server import ThreadedMotoServer
 
+    # moto checks a PUT's If-Match / If-None-Match and then writes, in two steps on a threaded server:
+    # two conditional PUTs racing on one ETag can both succeed, which S3 never allows (a loaded run lost
+    # one of 30 ref moves to it). One object PUT at a time makes the check and the write atomic again.
+    put, one_at_a_time = S3Response.put_object, threading.Lock()
+
+    def atomic_put(self: S3Response) -> Any:
+        with one_at_a_time:
+            return put(self)
+
+    S3Response.put_object = atomic_put  # type: ignore[method-assign]
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -86,6 +97,7 @@ def s3_endpoint() -> Iterator[str]:
     client.put_bucket_versioning(Bucket=TEST_BUCKET, VersioningConfiguration={"Status": "Enabled"})
     yield endpoint
     server.stop()
+    S3Response.put_object = put  # type: ignore[method-assign]
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)

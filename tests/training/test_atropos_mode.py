@@ -210,3 +210,15 @@ def test_atropos_grpo_outlives_a_killed_env_worker_and_resumes_after_a_trainer_k
     assert all(m["grad_norm"] > 0 for m in steps) and steps[-1]["reward_std"] > 0
     assert steps[-1]["rollouts_retokenized"] == 0 and steps[-1]["atropos/groups_trained"] == 2
     assert {p.name for p in (run_dir / "envs").iterdir()} == {"run-api.log", "env-worker-0.log", "env-worker-1.log"}
+
+
+def test_atropos_mode_refuses_env_instances(model_store: ArtifactStore, tiny_model: Path, tmp_path: Path) -> None:
+    """Workers build their envs from names: an instance (its own config) would be silently rebuilt."""
+    from flywheel.environments.registry import env_class
+    from flywheel.training.grpo import run_grpo
+
+    cfg = GRPORunConfig(rl_mode="atropos", logs_root=str(tmp_path), num_rollouts_per_task=2, batch_size=2)
+    env = env_class("tool_use_chain")(tokenizer_name=str(tiny_model))
+    with pytest.raises(ValueError, match="pass envs by name, module:Class or file path, not instances"):
+        run_grpo(cfg, model_store, envs=[env])
+    assert not list(tmp_path.glob("run-*/envs"))  # Nothing started.
