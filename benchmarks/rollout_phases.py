@@ -6,7 +6,7 @@ Measured, not sampled: every phase's CPU is `time.thread_time()` of the thread t
   and tear-down, tools, the verifier, tokenisation), are wrapped: a wrapper charges the CPU its
   thread spent inside it to its phase, and no other phase.
 - Everything else a rollout does runs in asyncio callbacks (the agent loop, atroposlib's server
-  manager and retries, the OpenAI SDK, its aiohttp transport). Each callback runs in the context
+  manager and retries, the HTTP client). Each callback runs in the context
   of the task that scheduled it; a context variable names the task's phase, and a hook around
   `asyncio.events.Handle._run` charges the callback's CPU to it (minus what wrappers inside took).
 - `rest` is the process's CPU (`time.process_time()`) minus every phase: asyncio's own scheduling
@@ -31,7 +31,7 @@ from unittest import mock
 PHASES = {
     "setup": "sandbox set-up: uid lease, tmpfs, cgroup",
     "files": "sandbox set-up: task files",
-    "agent": "agent loop + atroposlib server manager + OpenAI SDK",
+    "agent": "agent loop + atroposlib server manager + HTTP client",
     "tool": "tool execution",
     "verifier": "verifier (verify + compute_reward)",
     "teardown": "sandbox tear-down",

@@ -1,14 +1,17 @@
 """Rollout throughput: stock atroposlib `process` vs ours, same env, same latency-injected server.
 
-Run: .venv/bin/python benchmarks/rollout_throughput.py [--latency 0.2] [--groups 64] [--concurrency 16] [--profile]
+Run: .venv/bin/python benchmarks/rollout_throughput.py [--latency 0.2] [--groups 1024] [--concurrency 32]
+     [--processes 2] [--profile]
 
 A local OpenAI-compatible server answers every chat request after `--latency` seconds with a
 final answer, up to `--slots` requests at once (its saturated throughput is `slots / latency`,
 measured directly with a load generator). The same ToolUseChainEnv (sandbox, verifier,
-tokenisation included) then runs `--groups` groups of 4 rollouts twice: through atroposlib's
-stock `BaseEnv.process_manager` (one group at a time) and through ours (`--concurrency` groups in
-flight). Prints groups/s for both, their ratio (goal >= 12x), and our request rate as a fraction
-of the server's saturated rate (goal >= 0.8).
+tokenisation included) then runs groups of 4 rollouts three ways: through atroposlib's stock
+`BaseEnv.process_manager` (one group at a time), through ours in one process (`--concurrency`
+groups in flight), and through ours in `--processes` processes (`process_workers`; the spawned
+workers' start-up, ~6 s of imports on this machine, is inside the timed run). Prints groups/s of
+each, the speed-ups over stock (goal >= 12x), and our request rate as a fraction of the server's
+saturated rate (goal >= 0.8).
 
 `--profile` adds a third run of ours under `rollout_phases.PhaseProfiler` and prints the CPU ms
 per rollout of each phase (sandbox set-up and tear-down, agent loop + SDK, tools, verifier,
@@ -71,7 +74,7 @@ async def saturated_rate(base_url: str, requests: int, concurrency: int) -> floa
         return requests / (time.perf_counter() - started)
 
 
-def make_env(base_url: str, tokenizer: str, groups: int, concurrency: int, out: Path):  # type: ignore[no-untyped-def]
+def make_env(base_url: str, tokenizer: str, groups: int, concurrency: int, out: Path, processes: int = 1):  # type: ignore[no-untyped-def]
     from atroposlib.envs.base import APIServerConfig
 
     from flywheel.environments.tool_use_chain import ToolUseChainEnv
@@ -83,7 +86,7 @@ def make_env(base_url: str, tokenizer: str, groups: int, concurrency: int, out: 
     env = ToolUseChainEnv(
         server_configs=[server], tokenizer_name=tokenizer, group_size=4, total_steps=groups,
         process_concurrency=concurrency, max_agent_turns=2, data_path_to_save_groups=str(out),
-        ensure_scores_are_not_same=False, use_wandb=False, difficulty="easy",
+        ensure_scores_are_not_same=False, use_wandb=False, difficulty="easy", process_workers=processes,
     )  # fmt: skip
     env.process_mode = True
     env.n_groups_to_process = groups
@@ -107,9 +110,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--latency", type=float, default=0.2)
     parser.add_argument("--slots", type=int, default=64, help="requests the server handles at once")
-    parser.add_argument("--groups", type=int, default=64)
+    parser.add_argument("--groups", type=int, default=1024)
     parser.add_argument("--stock-groups", type=int, default=12)
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=32, help="groups in flight in each of our processes")
+    parser.add_argument("--processes", type=int, default=2, help="processes of the multi-process run")
     parser.add_argument("--tokenizer", default=None, help="local tokenizer dir (default: the prepared tiny model)")
     parser.add_argument("--profile", action="store_true", help="also print CPU ms per rollout by phase")
     args = parser.parse_args()
@@ -131,26 +135,34 @@ def main() -> None:
             stock = make_env(base_url, tokenizer, args.stock_groups, 1, Path(tmp, "stock.jsonl"))
             stock.jsonl_writer = jsonlines.open(Path(tmp, "stock.jsonl"), "w")  # What stock BaseEnv opens.
             stock_s = timed_run(lambda: BaseEnv.process_manager(stock))
-            ours = make_env(base_url, tokenizer, args.groups, args.concurrency, Path(tmp, "ours.jsonl"))
-            ours_s = timed_run(ours.process_manager)
-            written = len(Path(tmp, "ours.jsonl").read_text().splitlines())
+            rates = {}
+            for processes in (1, args.processes):
+                out = Path(tmp, f"ours-{processes}.jsonl")
+                seconds = timed_run(
+                    make_env(base_url, tokenizer, args.groups, args.concurrency, out, processes).process_manager
+                )
+                rates[processes] = len(out.read_text().splitlines()) / seconds
             if args.profile:
                 from rollout_phases import PhaseProfiler
 
                 profiler = PhaseProfiler()
-                profiled = make_env(base_url, tokenizer, args.groups, args.concurrency, Path(tmp, "profiled.jsonl"))
+                profiled = make_env(
+                    base_url, tokenizer, min(args.groups, 256), args.concurrency, Path(tmp, "profiled.jsonl")
+                )
                 server_cpu = process_cpu_seconds(server.pid)
                 profiler.run(profiled)
                 server_cpu = process_cpu_seconds(server.pid) - server_cpu
     finally:
         server.kill()
-    stock_rate, ours_rate = args.stock_groups / stock_s, written / ours_s
-    requests_rate = ours_rate * 4  # One model call per rollout (the reply is a final answer).
+    stock_rate = args.stock_groups / stock_s
     print(f"server ceiling: {ceiling:.0f} requests/s ({args.slots} slots x {args.latency * 1000:.0f} ms)")
     print(f"stock atroposlib process: {stock_rate:.2f} groups/s")
-    print(f"flywheel process (concurrency {args.concurrency}): {ours_rate:.2f} groups/s ({written} groups)")
-    print(f"speed-up: {ours_rate / stock_rate:.1f}x   (goal >= 12x)")
-    print(f"fraction of the server's saturated throughput: {requests_rate / ceiling:.2f}   (goal >= 0.8)")
+    for processes, rate in rates.items():
+        fraction = rate * 4 / ceiling  # One model call per rollout (the reply is a final answer).
+        print(
+            f"flywheel process, {processes} process(es) x concurrency {args.concurrency}: {rate:.2f} groups/s, "
+            f"{rate / stock_rate:.1f}x stock (goal >= 12x), {fraction:.2f} of the server's saturated rate (goal >= 0.8)"
+        )
     if args.profile:
         print(f"\nCPU per rollout by phase ({profiler.rollouts} rollouts in a separate, profiled run):")
         print(profiler.table(server_cpu, profiler.rollouts))

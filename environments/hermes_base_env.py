@@ -15,8 +15,8 @@ tokenise with `return_dict=False`); `process` forces wandb on.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -26,9 +26,10 @@ from typing import Any, Literal
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from pydantic import Field, field_validator
 
+from flywheel.environments.agent.conversation_tokens import ConversationTokenizer
 from flywheel.environments.agent.messages import messages_with_dict_arguments
 from flywheel.environments.agent.records import eval_metrics, eval_sample, group_meta
-from flywheel.environments.agent.servers import build_server, default_server_configs, use_aiohttp_clients
+from flywheel.environments.agent.servers import build_server, default_server_configs, use_lean_clients
 from flywheel.environments.agent.tools import resolve_toolsets
 from flywheel.environments.agent_loop import (
     DEFAULT_MAX_REPEATED_REPLIES,
@@ -113,7 +114,10 @@ class HermesAgentEnvConfig(BaseEnvConfig):
     )
 
     # -- throughput
-    process_concurrency: int = Field(default=16, ge=1, description="Groups in flight at once in `process` mode.")
+    process_concurrency: int = Field(default=16, ge=1, description="Groups in flight at once in a `process` process.")
+    process_workers: int = Field(
+        default=1, ge=1, description="Processes `process` mode rolls out in (each rebuilds the env; one writes)."
+    )
     eval_concurrency: int = Field(default=8, ge=1, description="Evaluation rollouts in flight at once.")
 
     @field_validator("tool_call_parser")
@@ -166,9 +170,13 @@ class HermesAgentBaseEnv(BaseEnv, RolloutScoring, WorkspaceItems, AgentEpisodes)
         config.data_path_to_save_groups = None
         super().__init__(config, server_configs, slurm=slurm, testing=testing)
         config.data_path_to_save_groups = output
+        # What a `process_workers` process rebuilds this env from.
+        self.spawn_args = {"config": config, "server_configs": server_configs, "slurm": slurm, "testing": testing}
         self.config: HermesAgentEnvConfig = config
-        use_aiohttp_clients(self.server.servers)
+        use_lean_clients(self.server.servers)
         self._reward_buffer: list[float] = []
+        self._conversation_tokens: ConversationTokenizer | None = None
+        self._tokenizer_lock = threading.Lock()
         self._infra_failures = 0
         self._rollouts = 0
         # A loop built by hand from `self.server` (a hand-written `evaluate`) finds the task's files here.
@@ -296,7 +304,7 @@ class HermesAgentBaseEnv(BaseEnv, RolloutScoring, WorkspaceItems, AgentEpisodes)
             tokens=[], masks=[], scores=[], messages=[], advantages=None, ref_logprobs=None,
             group_overrides={}, overrides=None, images=None,
         )  # fmt: skip
-        prefix_cache: dict[str, list[int]] = {}  # The group shares its prompt: render it once.
+        prefix_cache: dict[str, str] = {}  # The group shares its prompt: render it once.
         completed: list[bool] = []
         for result, reward in outcomes:
             if reward is None:
@@ -332,40 +340,18 @@ class HermesAgentBaseEnv(BaseEnv, RolloutScoring, WorkspaceItems, AgentEpisodes)
         self,
         messages: list[dict[str, Any]],
         tool_schemas: list[dict[str, Any]],
-        cache: dict[str, list[int]] | None = None,
+        cache: dict[str, str] | None = None,
     ) -> tuple[list[int], list[int]]:
-        """Token ids of the whole conversation and a mask that keeps only assistant tokens.
+        """Token ids of the whole conversation and a mask that keeps only assistant tokens
+        (`ConversationTokenizer`; `cache` shares renderings across a group's rollouts).
 
-        Assistant spans are found by rendering growing prefixes, which works for any chat template
-        whose rendering of a prefix is a prefix of the whole (ChatML, Llama 3, ...).
         Strings are `sanitize`d first: a lone surrogate cannot be encoded, and tokenisers refuse it.
         """
-        messages = messages_with_dict_arguments(sanitize(messages))
-        cache = {} if cache is None else cache
-
-        def render(part: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
-            key = json.dumps([part, generation_prompt], sort_keys=True, default=str)
-            if key not in cache:
-                cache[key] = list(
-                    self.tokenizer.apply_chat_template(
-                        part,
-                        tools=tool_schemas or None,
-                        tokenize=True,
-                        add_generation_prompt=generation_prompt,
-                        return_dict=False,
-                    )
-                )
-            return cache[key]
-
-        tokens = render(messages, False)
-        masks = [-100] * len(tokens)
-        for index, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            start = len(render(messages[:index], True))
-            end = min(len(render(messages[: index + 1], False)), len(tokens))
-            masks[start:end] = tokens[start:end]
-        return tokens, masks
+        with self._tokenizer_lock:  # Rollouts tokenise in worker threads; a runner may swap the tokenizer.
+            if self._conversation_tokens is None or self._conversation_tokens.tokenizer is not self.tokenizer:
+                self._conversation_tokens = ConversationTokenizer(self.tokenizer)
+            tokenize = self._conversation_tokens
+        return tokenize(messages_with_dict_arguments(sanitize(messages)), tool_schemas, cache)
 
     # -- evaluation ------------------------------------------------------------------------------
 

@@ -11,12 +11,15 @@ is built, so an env whose `config_init` leaves `api_key` unset still runs agains
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import atroposlib.envs.base as atropos_base
 from atroposlib.envs.base import APIServerConfig
 from atroposlib.envs.server_handling.server_baseline import APIServer, ReasoningConfig
 from atroposlib.envs.server_handling.server_manager import OpenAIServer, SGLangServer, TrlVllmServer, VLLMServer
+
+from flywheel.environments.agent.lean_client import LeanOpenAIClient
 
 PLACEHOLDER_API_KEY = "EMPTY"
 _SERVER_TYPES: dict[str, type[APIServer]] = {
@@ -37,25 +40,20 @@ def build_server(config: APIServerConfig, reasoning_config: ReasoningConfig | No
     return _SERVER_TYPES[config.server_type](config, reasoning_config=reasoning_config)
 
 
-def use_aiohttp_clients(servers: list[Any]) -> None:
-    """Give atroposlib's OpenAI clients the SDK's aiohttp transport.
+def use_lean_clients(servers: list[Any]) -> None:
+    """Replace atroposlib's OpenAI SDK clients with `LeanOpenAIClient` (same calls, same reply types).
 
-    The default httpx pool re-checks every open connection on each request, which caps a CPU
-    machine near 100 requests/s at 64 in flight; aiohttp keeps up with the server (the openai SDK
-    documents `DefaultAioHttpClient` for high concurrency).
+    The SDK costs ~4 ms of CPU a request before sending it, and its default httpx pool re-checks
+    every open connection on each request; a rollout process then caps near 100 requests/s where
+    the server keeps up with several times that (`benchmarks/rollout_throughput.py`). Its retries
+    go too: atroposlib retries 3 x 3 times already.
     """
     import openai
 
     for server in servers:
         client = getattr(server, "openai", None)
         if isinstance(client, openai.AsyncClient):
-            server.openai = openai.AsyncClient(
-                api_key=client.api_key,
-                base_url=client.base_url,
-                timeout=client.timeout,
-                max_retries=0,  # atroposlib retries 3 x 3 times already; the SDK's 3 more made that 27.
-                http_client=openai.DefaultAioHttpClient(timeout=client.timeout),
-            )
+            server.openai = LeanOpenAIClient(str(client.base_url), client.api_key, float(server.config.timeout))
 
 
 def default_server_configs() -> list[APIServerConfig]:
@@ -106,14 +104,22 @@ class _DeferredTokenizer:
     def __init__(self, name: str, *args: Any, **kwargs: Any) -> None:
         self._args = (name, args, kwargs)
         self._loaded: Any = None
+        self._lock = threading.Lock()
 
     def __getattr__(self, attr: str) -> Any:
-        if self._loaded is None:
-            from transformers import AutoTokenizer
+        return getattr(self._tokenizer(), attr)
 
-            name, args, kwargs = self._args
-            self._loaded = AutoTokenizer.from_pretrained(name, *args, **kwargs)
-        return getattr(self._loaded, attr)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tokenizer()(*args, **kwargs)
+
+    def _tokenizer(self) -> Any:
+        with self._lock:  # Rollouts tokenise in worker threads: the first few would each load it.
+            if self._loaded is None:
+                from transformers import AutoTokenizer
+
+                name, args, kwargs = self._args
+                self._loaded = AutoTokenizer.from_pretrained(name, *args, **kwargs)
+        return self._loaded
 
 
 class _DeferredAutoTokenizer:
