@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import importlib.util
 import json
 import logging
 import multiprocessing
 import os
+import pickle
 import queue
 import signal
 import threading
@@ -123,12 +125,13 @@ def _worker_pool(
 
     On the way out the workers are waited for (the queue ends with their end markers), their
     rollout counts added to `counts`; a worker that died loses its in-flight groups (not written:
-    a resumed run makes them), and is logged.
+    a resumed run makes them), and is logged. An env class a worker could not import is refused first.
     """
     if extra == 0:
         pending: Any = queue.SimpleQueue()
         yield pending
         return
+    _check_spawnable(env)
     context = multiprocessing.get_context("spawn")  # The parent runs threads and an event loop: no fork.
     pending = context.Queue()
     pipes, procs = [], []
@@ -159,41 +162,61 @@ def _worker_pool(
 
 
 def _read_workers(pipes: list[Connection], write: Callable[[str | None], None], counts: dict[str, int]) -> None:
-    """Write the workers' lines as they come, until every worker's pipe closes."""
+    """Write the workers' lines as they come, until every worker's pipe closes; add each worker's
+    last rollout counts (they travel with every line, so a worker that dies is counted too)."""
     from multiprocessing.connection import wait
 
+    last: dict[int, dict[str, int]] = {}
     open_pipes = list(pipes)
     while open_pipes:
         for pipe in wait(open_pipes):
             try:
-                kind, value = pipe.recv()
-            except EOFError:
+                line, last[id(pipe)] = pipe.recv()
+            except (EOFError, OSError, pickle.UnpicklingError):  # Closed, or torn by a worker killed mid-send.
                 open_pipes.remove(pipe)
                 continue
-            if kind == "group":
-                write(value)
-            else:  # "counts": the worker's rollouts and infra failures, its last message.
-                counts["rollouts"] += value["rollouts"]
-                counts["infra_failures"] += value["infra_failures"]
+            write(line)
+    for worker in last.values():
+        counts["rollouts"] += worker["rollouts"]
+        counts["infra_failures"] += worker["infra_failures"]
+
+
+def _check_spawnable(env: HermesAgentBaseEnv) -> None:
+    """A worker rebuilds the env from its class, found by module and name: refuse one it could not find."""
+    cls = type(env)
+    module = cls.__module__
+    importable = module == "__main__" or importlib.util.find_spec(module) is not None
+    try:
+        found = importable and pickle.loads(pickle.dumps(cls)) is cls
+    except Exception:
+        found = False
+    if not found:
+        raise ValueError(
+            f"process_workers > 1: a worker process cannot import the env class {cls.__qualname__} (module "
+            f"{module}); define it at the top level of an importable module or script, or use process_workers=1"
+        )
 
 
 def _worker_main(env_class: type, spawn_args: dict[str, Any], pending: Any, send: Connection, parent: int) -> None:
-    """A spawned worker: the env rebuilt, its groups' lines sent to the parent, which writes them."""
+    """A spawned worker: the env rebuilt, its groups' lines (with its rollout counts so far) sent to the
+    parent, which writes them."""
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: a killed parent takes its workers along.
     if os.getppid() != parent:
         return
     env = env_class(**spawn_args)
     env.process_mode = True
 
+    def send_line(line: str | None) -> None:
+        send.send((line, {"rollouts": env._rollouts, "infra_failures": env._infra_failures}))
+
     async def run() -> None:
         await env.setup()
         try:
-            await _consume(env, pending, lambda line: send.send(("group", line)))
+            await _consume(env, pending, send_line)
         finally:
             await env.close()
 
     asyncio.run(run())
-    send.send(("counts", {"rollouts": env._rollouts, "infra_failures": env._infra_failures}))
     send.close()
 
 

@@ -29,7 +29,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 Tokens = tuple[list[int], list[int]]
-_MAX_CACHED_PIECES = 50_000
+_MAX_CACHED_TOKENS = 2_000_000  # ~70 MB of ids; past it the cache starts again.
 
 
 class ConversationTokenizer:
@@ -45,6 +45,7 @@ class ConversationTokenizer:
         self._cut = re.compile("(?=" + "|".join(map(re.escape, sorted(specials, key=len, reverse=True))) + ")")
         self.piecewise: bool | None = None if specials else False  # None: not checked yet.
         self._pieces: dict[str, list[int]] = {}
+        self._cached_tokens = 0
         self._lock = threading.Lock()
 
     def __call__(
@@ -66,7 +67,7 @@ class ConversationTokenizer:
                             type(self.tokenizer).__name__,
                         )
                         return exact
-        return fast if fast is not None else self._exact(messages, render)
+        return fast if self.piecewise and fast is not None else self._exact(messages, render)
 
     def exact(self, messages: list[dict[str, Any]], tool_schemas: list[dict[str, Any]]) -> Tokens:
         """Whole renderings tokenised, every prefix again (the reference the piece-wise way must equal)."""
@@ -126,7 +127,9 @@ class ConversationTokenizer:
         ids = self._pieces.get(piece)
         if ids is None:
             ids = list(self.tokenizer(piece, add_special_tokens=False)["input_ids"])
-            if len(self._pieces) >= _MAX_CACHED_PIECES:
+            if self._cached_tokens + len(ids) > _MAX_CACHED_TOKENS:
                 self._pieces.clear()
+                self._cached_tokens = 0
             self._pieces[piece] = ids
+            self._cached_tokens += len(ids)
         return ids

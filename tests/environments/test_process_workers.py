@@ -87,3 +87,18 @@ def test_a_dying_worker_loses_its_group_and_a_resumed_run_makes_it(
     stats = _run(replies, tiny_model, out, groups=4)
     assert stats["groups_skipped_as_done"] == 3 and stats["groups_written"] == 1 and stats["groups_lost"] == 0
     assert sorted(g["meta"]["item_id"] for g in _groups(out)) == [f"tool_use_chain-0-{i}" for i in range(4)]
+
+
+def test_an_env_class_a_worker_cannot_import_is_refused(replies: str, tiny_model: Path, tmp_path: Path) -> None:
+    class Local(ToolUseChainEnv):  # Defined in a function: a spawned worker could not find it by name.
+        pass
+
+    server = APIServerConfig(base_url=replies, model_name="fake", api_key="k", health_check=False)
+    out = tmp_path / "groups.jsonl"
+    env = Local(server_configs=[server], tokenizer_name=str(tiny_model), total_steps=2, process_workers=2,
+                data_path_to_save_groups=str(out), use_wandb=False)  # fmt: skip
+    env.process_mode = True
+    env.n_groups_to_process = 2
+    with pytest.raises(ValueError, match="cannot import the env class .*Local.*process_workers=1"):
+        asyncio.run(env.process_manager())
+    assert not out.exists() or out.read_text() == ""
