@@ -13,9 +13,10 @@ from typing import Any
 
 from flywheel.data.store import STORE_ENV
 from flywheel.flows import work
+from flywheel.flows.env_workers import DEPLOYMENT
 from flywheel.flows.infra import H100_TEMPLATE
 from flywheel.flows.round_config import RoundConfig
-from flywheel.flows.stages import STAGES
+from flywheel.flows.stages import POOLS, STAGES
 from flywheel.inference import build_command
 from flywheel.training.config import ConfigError
 from flywheel.training.device import DeviceSettings, resolve_device
@@ -54,12 +55,28 @@ def round_plan(config: RoundConfig, profile: str | None = None) -> dict[str, Any
         if p.nodes > 1:
             stages[name]["machines"] = _machines(name, cfg, p)
     stages["rl"]["generation"] = f"vllm {rl.vllm_mode}" if rl.vllm() else "in-process (transformers generate)"
+    if rl.rl_mode == "atropos":
+        stages["rl"]["generation"] = "atropos: env workers -> run-api -> trainer; the policy endpoint (transformers)"
+        stages["rl"]["env_workers"] = _env_workers(rl)
     stages["evaluate"] |= _served(server, settings) | {**p.eval.model_dump(), "max_agent_turns": p.max_agent_turns}
     lm_eval = work.lm_eval_config(work.LMEvalParams(**common, model=f"model/{p.model}", name="lm-eval-r1"))
     stages["lm_eval"] |= {"config": lm_eval.model_dump(mode="json")}
     if p.device == "cuda":
         _memory(p, stages, {"sft": sft, "rl": rl}, server)
     return {"profile": profile, "device": p.device, "model": p.model, "gpus": p.gpus, "stages": stages}
+
+
+def _env_workers(rl: Any) -> dict[str, Any]:
+    """Where atropos mode's env workers run and how they reach the trainer."""
+    from flywheel.training.grpo import weighted_envs
+
+    where: dict[str, Any] = {"processes": max(rl.env_workers, len(weighted_envs(rl))), "envs": weighted_envs(rl)}
+    if rl.env_workers_deployment:
+        pool = POOLS["cpu"] if rl.env_workers_deployment == DEPLOYMENT else "the deployment's (prefect.yaml)"
+        where |= {"deployment": rl.env_workers_deployment, "pool": pool}
+    else:
+        where["runs_as"] = "child processes of the trainer"
+    return where | {"run_api_and_policy_endpoint_on": rl.serve_host, "max_async_level": rl.max_async_level}
 
 
 def _memory(p: RoundConfig, stages: dict[str, dict[str, Any]], trained: dict[str, Any], server: Any) -> None:

@@ -27,6 +27,7 @@ from flywheel.evaluation.gate import gate as run_gate
 from flywheel.evaluation.lm_eval_runner import LMEvalConfig, model_ref_of, run_lm_eval
 from flywheel.evaluation.report import build_report
 from flywheel.evaluation.weakness import CurriculumSpec, mine_to_store
+from flywheel.flows.env_workers import DeployedWorkers
 from flywheel.flows.round_config import RoundConfig
 from flywheel.inference import ModelServer, ServerConfig
 from flywheel.inference.server import gpu_python
@@ -223,8 +224,12 @@ def sft(params: SFTParams, callbacks: list[Any] | None = None) -> Manifest:
 
 @track_costs()
 def rl(params: RLParams, callbacks: list[Any] | None = None) -> Manifest:
-    """GRPO in the round's environment, KL to the SFT checkpoint."""
-    return _train(rl_config(params), params, callbacks)
+    """GRPO in the round's environment, KL to the SFT checkpoint; atropos mode's env workers in a run of
+    `rl.env_workers_deployment` when it is set."""
+    cfg = rl_config(params)
+    if cfg.env_workers_deployment:
+        return _train(cfg, params, callbacks, env_workers=DeployedWorkers(cfg, params.store().url))
+    return _train(cfg, params, callbacks)
 
 
 def launched(cfg: TrainConfig, config: RoundConfig) -> bool:
@@ -233,11 +238,11 @@ def launched(cfg: TrainConfig, config: RoundConfig) -> bool:
     return config.gpus > 1 or config.nodes > 1 or (isinstance(cfg, GRPORunConfig) and cfg.vllm())
 
 
-def _train(cfg: TrainConfig, params: StageParams, callbacks: list[Any] | None) -> Manifest:
+def _train(cfg: TrainConfig, params: StageParams, callbacks: list[Any] | None, **extra: Any) -> Manifest:
     """Train here, or launched with accelerate (steps then show in the run log)."""
     if launched(cfg, params.config):
         return launch(cfg, params.store(), max(1, params.config.gpus))
-    return run_training(cfg, params.store(), callbacks=callbacks)
+    return run_training(cfg, params.store(), callbacks=callbacks, **extra)
 
 
 @track_costs()

@@ -7,6 +7,7 @@ from flywheel.inference.server import (
     ServerError,
     build_command,
     free_port,
+    reachable_host,
     wait_until_healthy,
 )
 
@@ -17,5 +18,6 @@ __all__ = [
     "build_command",
     "chat",
     "free_port",
+    "reachable_host",
     "wait_until_healthy",
 ]

@@ -196,6 +196,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def reachable_host(bind_host: str) -> str:
+    """The name other machines reach a server bound to `bind_host` by: this machine's FQDN for every
+    interface (`0.0.0.0`, `::`), else the address itself."""
+    return socket.getfqdn() if bind_host in ("0.0.0.0", "::", "") else bind_host
+
+
 def wait_for_http(url: str, timeout_s: float, what: str) -> None:
     """Poll `GET url` until it answers 200 (a process that is starting); TimeoutError naming `what`."""
     deadline = time.monotonic() + timeout_s

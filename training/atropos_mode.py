@@ -18,7 +18,7 @@ import contextlib
 import statistics
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from transformers import TrainerCallback
 
@@ -30,35 +30,67 @@ from flywheel.training.run_logs import RunDir
 from flywheel.training.trajectory_api import GroupQueue, RunApi, atropos_rollout_func
 
 
+class WorkerLauncher(Protocol):
+    """Runs a trainer's env workers somewhere else (`flows.env_workers.DeployedWorkers`: a deployment run
+    on the `cpu` pool); by default they are the trainer's child processes."""
+
+    def start(self, api_url: str, policy_url: str) -> None: ...
+
+    def problem(self) -> str | None: ...
+
+    def stop(self) -> None: ...
+
+
+def require_isolation() -> None:
+    """Refused where the sandbox cannot be isolated: an agent's commands would then share the network
+    with `run-api` and the endpoint (and could post groups of their own)."""
+    if not isolation_available():
+        raise ValueError(
+            "rl_mode=atropos needs the sandbox's isolation (bubblewrap with user namespaces): without it an "
+            "agent's commands reach run-api on loopback; install bubblewrap or use rl_mode=sync"
+        )
+
+
+def worker_fleet(cfg: GRPORunConfig, model_dir: Path, log_dir: Path, **placement: Any) -> EnvFleet:
+    """The run's workers (at least one an env, over its weighted envs in turn) and where they post."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    config = log_dir / "atropos-run.json"
+    config.write_text(cfg.model_dump_json())
+    envs = weighted_envs(cfg)
+    workers = ["--config", str(config), "--model-dir", str(model_dir)]
+    return EnvFleet(envs, max(cfg.env_workers, len(envs)), workers, log_dir, **placement)
+
+
 class AtroposMode:
     """The endpoint, fleet and group queue of one atropos-mode run, and what the trainer takes from them."""
 
-    def __init__(self, cfg: GRPORunConfig, model_dir: Path, tokenizer: Any, run: RunDir) -> None:
+    def __init__(
+        self, cfg: GRPORunConfig, model_dir: Path, tokenizer: Any, run: RunDir, launcher: WorkerLauncher | None = None
+    ) -> None:
         """Nothing starts here (`running` starts the processes and the endpoint's server), so a failure
-        before training leaves nothing behind. Refused where the sandbox cannot be isolated: an agent's
-        commands would then share the loopback network with `run-api` and the endpoint (and could post
-        groups of their own)."""
-        if not isolation_available():
-            raise ValueError(
-                "rl_mode=atropos needs the sandbox's isolation (bubblewrap with user namespaces): without it an "
-                "agent's commands reach run-api on loopback; install bubblewrap or use rl_mode=sync"
-            )
+        before training leaves nothing behind. With a `launcher` the workers run where it puts them and
+        only `run-api` is this process's child."""
+        require_isolation()
         self.cfg = cfg
-        config = run.path / "atropos-run.json"
-        config.write_text(cfg.model_dump_json())
-        worker_args = ["--config", str(config), "--model-dir", str(model_dir)]
-        envs = weighted_envs(cfg)
-        self.fleet = EnvFleet(envs, max(cfg.env_workers, len(envs)), worker_args, run.path / "envs")
+        self.launcher = launcher
+        self.fleet = worker_fleet(cfg, model_dir, run.path / "envs", host=cfg.serve_host)
+        if launcher is not None:
+            self.fleet.workers = 0
         top_k = cfg.sampling_top_k(False)
-        self.endpoint = PolicyEndpoint(model_dir, tokenizer, top_k, cfg.max_completion_length)
+        self.endpoint = PolicyEndpoint(model_dir, tokenizer, top_k, cfg.max_completion_length, host=cfg.serve_host)
         self.api = RunApi(self.fleet.api_url)
-        hint = f"; the env workers' logs: {self.fleet.log_dir}" + (
+        where = "their flow run's logs" if launcher else f"their logs: {self.fleet.log_dir}"
+        hint = f"; the env workers: {where}" + (
             "; drop_flat_groups is on: a policy whose groups all score alike sends none" if cfg.drop_flat_groups else ""
         )
         self.queue = GroupQueue(
             self.api, cfg.num_rollouts_per_task, cfg.max_async_level, self.endpoint.vocab_size, hint=hint,
-            progress=lambda: self.endpoint.served, problem=self.fleet.problem,
+            progress=lambda: self.endpoint.served, problem=self.problem,
         )  # fmt: skip
+
+    def problem(self) -> str | None:
+        """Why no group can come any more (None: the workers are running, or will be restarted)."""
+        return self.fleet.problem() or (self.launcher.problem() if self.launcher else None)
 
     def dataset(self) -> Any:
         """The trainer's prompts: placeholders, one per rollout a step takes (its groups come from run-api)."""
@@ -78,14 +110,22 @@ class AtroposMode:
     @contextlib.contextmanager
     def running(self, trainer: Any) -> Iterator[None]:
         """`run-api` and the policy endpoint up, the trainer registered, the env workers started, for the
-        length of training; everything stopped after."""
+        length of training; everything stopped after (launched workers last: they end with the endpoint)."""
         cfg = self.cfg
-        with self.endpoint, self.fleet, contextlib.closing(self.api):  # The workers stop before the endpoint.
+        with contextlib.ExitStack() as stack:
+            if self.launcher is not None:
+                stack.callback(self.launcher.stop)
+            stack.enter_context(self.endpoint)
+            stack.enter_context(self.fleet)  # Its workers stop before the endpoint.
+            stack.enter_context(contextlib.closing(self.api))
             self.api.wait_until_up()
             per_step = cfg.batch_size * cfg.gradient_accumulation_steps * trainer.accelerator.num_processes
             max_len = cfg.max_completion_length + 8192  # Prompts (tool schemas) plus the completion cap.
             self.api.register(per_step, max_len, cfg.total_steps, 0, str(self.fleet.log_dir))
-            self.fleet.start_workers(self.endpoint.url)
+            if self.launcher is not None:
+                self.launcher.start(self.fleet.api_url, self.endpoint.url)
+            else:
+                self.fleet.start_workers(self.endpoint.url)
             yield
 
     def summary(self) -> dict[str, Any]:
@@ -131,3 +171,30 @@ class QueueStats(TrainerCallback):
         logs["atropos/worker_restarts"] = summary["worker_restarts"]
         for reason, count in summary["refused"].items():
             logs[f"atropos/refused/{reason}"] = count
+
+
+def serve_env_workers(
+    cfg: GRPORunConfig, model_dir: Path, api_url: str, policy_url: str, log_dir: Path, poll: float = 2.0
+) -> dict[str, Any]:
+    """The env workers of a trainer elsewhere (its `run-api` and policy endpoint), restarted when they
+    die, until the endpoint has not answered `poll` seconds apart three times: the trainer is done.
+    Raises when every worker has been given up."""
+    import time
+
+    import httpx
+
+    require_isolation()
+    with worker_fleet(cfg, model_dir, log_dir, api_url=api_url) as fleet:
+        fleet.start_workers(policy_url)
+        missed = 0
+        with httpx.Client(timeout=5) as client:
+            while missed < 3:
+                if problem := fleet.problem():
+                    raise RuntimeError(problem)
+                time.sleep(poll)
+                try:
+                    client.get(f"{policy_url}/version").raise_for_status()
+                    missed = 0
+                except httpx.HTTPError:
+                    missed += 1
+    return {"workers": fleet.workers, "worker_restarts": sum(fleet.restarts.values())}

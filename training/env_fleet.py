@@ -1,4 +1,5 @@
-"""The processes beside an atropos-mode GRPO trainer: atroposlib's `run-api` and the env workers.
+"""The processes beside an atropos-mode GRPO trainer: atroposlib's `run-api` and the env workers (or,
+for a trainer elsewhere, the env workers alone).
 
 A worker that dies is started again after a back-off (its in-flight groups are lost, not the run),
 on items and sampling seeds of its own (a restart never replays what its predecessor rolled); one
@@ -20,7 +21,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from flywheel.inference import free_port
+from flywheel.inference import free_port, reachable_host
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +45,20 @@ class EnvFleet:
         log_dir: Path,
         poll: float = 1.0,
         max_restarts: int = 5,
+        host: str = "127.0.0.1",
+        api_url: str | None = None,
     ) -> None:
+        """`run-api` listens on `host`; with `api_url` the workers post to that one and none is started here."""
         self.envs = envs
         self.workers = workers
         self.worker_args = worker_args
         self.log_dir = log_dir
         self.poll = poll
         self.max_restarts = max_restarts
-        self.api_port = free_port()
-        self.api_url = f"http://127.0.0.1:{self.api_port}"
+        self.host = host
+        self.api_port = free_port(host)
+        self.own_api = api_url is None
+        self.api_url = api_url or f"http://{reachable_host(host)}:{self.api_port}"
         self.restarts: Counter[int] = Counter()
         self.given_up: set[int] = set()
         self.error: str | None = None  # What stopped the watcher, if anything did.
@@ -64,8 +70,9 @@ class EnvFleet:
         self._lock = threading.Lock()
 
     def __enter__(self) -> EnvFleet:
-        run_api = Path(sys.executable).parent / "run-api"
-        self._api = self._spawn([str(run_api), "--host", "127.0.0.1", "--port", str(self.api_port)], "run-api")
+        if self.own_api:
+            run_api = Path(sys.executable).parent / "run-api"
+            self._api = self._spawn([str(run_api), "--host", self.host, "--port", str(self.api_port)], "run-api")
         return self
 
     def __exit__(self, *exc: object) -> None:

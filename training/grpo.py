@@ -130,6 +130,16 @@ class GRPORunConfig(RunnerConfig):
     max_async_level: int = Field(
         default=1, ge=0, description="atropos mode: train on groups at most this many steps older than the weights."
     )
+    env_workers_deployment: str | None = Field(
+        default=None,
+        description="atropos mode: run the env workers as a run of this Prefect deployment (env-workers/atropos: "
+        "the cpu pool) instead of as the trainer's child processes.",
+    )
+    serve_host: str = Field(
+        default="127.0.0.1",
+        description="atropos mode: the interface run-api and the policy endpoint listen on (0.0.0.0: every "
+        "interface, reached by this machine's name; for env workers on other machines).",
+    )
     drop_flat_groups: bool = Field(
         default=True, description="atropos mode: env workers drop groups whose rollouts all scored alike (no signal)."
     )
@@ -140,6 +150,8 @@ class GRPORunConfig(RunnerConfig):
             problems.append("GRPO's KL reference is the initial policy: leave ref_model empty or equal to policy_model")
         if self.rl_mode == "atropos" and self.screen_tasks:
             problems.append("rl_mode=atropos screens nothing (the workers drop flat groups): set screen_tasks=0")
+        if self.rl_mode != "atropos" and self.env_workers_deployment:
+            problems.append("env_workers_deployment places atropos mode's env workers: set rl_mode=atropos")
         if self.rl_mode == "atropos" and self.vllm():
             problems.append("rl_mode=atropos generates on the trainer's policy endpoint (CPU): set use_vllm=false")
         if self.use_vllm and self.device == "cpu":
@@ -227,9 +239,11 @@ def run_grpo(
     store: ArtifactStore,
     callbacks: list[Any] | None = None,
     envs: list[HermesAgentBaseEnv | str] | None = None,
+    env_workers: Any = None,
 ) -> Manifest:
     """load -> build -> run -> save: GRPO on the configured envs (`envs`: names, or instances as their
-    makers configured them); the checkpoint goes to the store. The envs get the policy's tokenizer."""
+    makers configured them); the checkpoint goes to the store. The envs get the policy's tokenizer.
+    `env_workers`: where atropos mode's env workers run (an `atropos_mode.WorkerLauncher`; None: here)."""
     import torch
     from transformers import AutoTokenizer
     from trl import GRPOTrainer
@@ -252,7 +266,7 @@ def run_grpo(
                 "module:Class or file path, not instances"
             )
 
-        atropos = AtroposMode(cfg, model_dir, tokenizer, run)
+        atropos = AtroposMode(cfg, model_dir, tokenizer, run, launcher=env_workers)
         dataset, rollout_func, agents = atropos.dataset(), atropos.rollout_func(), []
     else:
         atropos = None

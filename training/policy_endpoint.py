@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from flywheel.inference import reachable_host
 from flywheel.training.rollouts import PolicyServer
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class PolicyEndpoint:
         site = web.TCPSite(self._runner, self.host, 0)
         await site.start()
         port = self._runner.addresses[0][1]
-        self.url = f"http://{self.host}:{port}"
+        self.url = f"http://{reachable_host(self.host)}:{port}"
         logger.info("policy endpoint at %s", self.url)
 
     async def _stop(self) -> None:

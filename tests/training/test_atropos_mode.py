@@ -209,7 +209,12 @@ def test_atropos_grpo_outlives_a_killed_env_worker_and_resumes_after_a_trainer_k
     assert [m["step"] for m in steps] == [1, 2, 3]  # Steps 1-2 carried over, 3 trained here.
     assert all(m["grad_norm"] > 0 for m in steps) and steps[-1]["reward_std"] > 0
     assert steps[-1]["rollouts_retokenized"] == 0 and steps[-1]["atropos/groups_trained"] == 2
-    assert {p.name for p in (run_dir / "envs").iterdir()} == {"run-api.log", "env-worker-0.log", "env-worker-1.log"}
+    assert {p.name for p in (run_dir / "envs").iterdir()} == {
+        "atropos-run.json",
+        "run-api.log",
+        "env-worker-0.log",
+        "env-worker-1.log",
+    }  # The workers' config and logs.
 
 
 def test_atropos_mode_refuses_env_instances(model_store: ArtifactStore, tiny_model: Path, tmp_path: Path) -> None:
