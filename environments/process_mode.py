@@ -5,14 +5,17 @@ keeps `process_concurrency` groups in flight, writes each as it ends, and skips 
 
 With `process_workers` > 1 the rollouts run in that many processes: one process's event loop,
 sandbox set-up and tokenisation cap it near one core (~150 rollouts/s, `benchmarks/rollout_throughput.py`).
-The extra workers are spawned processes that rebuild the env from its constructor's arguments, take
-items from a shared queue as they free up (a worker still importing takes none), and send each
-group's line back; this process writes every line, so the file has one writer and resumes as before.
+The extra workers are spawned processes that rebuild the env from its constructor's arguments and
+ask this process for items as they free up (a worker still importing takes none), over a pipe each;
+they send each group's line back, and this process writes every line, so the file has one writer and
+resumes as before. The items a worker held when it died go back to the others, once: an item that
+kills a second process too is counted lost (a resumed run tries it again).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import importlib.util
@@ -21,11 +24,10 @@ import logging
 import multiprocessing
 import os
 import pickle
-import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +40,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 Item = dict[str, Any]
-_DONE = None  # The end of the item queue, one per consumer.
 
 
 async def write_groups(env: HermesAgentBaseEnv, path: Path) -> dict[str, Any]:
@@ -59,8 +60,9 @@ async def write_groups(env: HermesAgentBaseEnv, path: Path) -> dict[str, Any]:
         env.name, len(todo), len(items) - len(todo), path, workers,
     )  # fmt: skip
     started = time.perf_counter()
-    counts = {"written": 0, "failed": 0, "rollouts": 0, "infra_failures": 0}
+    counts = {"written": 0, "failed": 0, "rollouts": 0, "infra_failures": 0, "requeued": 0, "lost": 0}
     lock = threading.Lock()
+    pool = ItemPool(todo)
     with open(path, "a", encoding="utf-8") as out:
 
         def write(line: str | None) -> None:
@@ -73,12 +75,9 @@ async def write_groups(env: HermesAgentBaseEnv, path: Path) -> dict[str, Any]:
                 counts["written"] += 1
 
         try:
-            with _worker_pool(env, workers - 1, write, counts) as pending:
-                for item in todo:
-                    pending.put(item)
-                for _ in range(workers * env.config.process_concurrency):
-                    pending.put(_DONE)
-                await _consume(env, pending, write)
+            with _workers(env, workers - 1, pool, write, counts):
+                await _consume(env, pool.take_async, write)
+            await _consume(env, pool.take_async, write)  # What dead workers gave back after this process ran dry.
         finally:
             await env.close()
     counts["rollouts"] += env._rollouts
@@ -88,7 +87,8 @@ async def write_groups(env: HermesAgentBaseEnv, path: Path) -> dict[str, Any]:
         "groups_written": counts["written"],
         "groups_failed": counts["failed"],
         "groups_skipped_as_done": len(items) - len(todo),
-        "groups_lost": len(todo) - counts["written"] - counts["failed"],  # In flight in a worker that died.
+        "groups_requeued": counts["requeued"],  # In flight in a worker that died: made by another process.
+        "groups_lost": counts["lost"],  # Held by two processes that died: a resumed run tries them again.
         "rollouts": counts["rollouts"],
         "infra_failures": counts["infra_failures"],
         "process_workers": workers,
@@ -100,11 +100,44 @@ async def write_groups(env: HermesAgentBaseEnv, path: Path) -> dict[str, Any]:
     return stats
 
 
-async def _consume(env: HermesAgentBaseEnv, pending: Any, write: Callable[[str | None], None]) -> None:
-    """`process_concurrency` groups in flight, each on the next item of `pending`, until its end markers."""
+class ItemPool:
+    """A run's items, handed out one at a time to this process's consumers and the workers' requests;
+    an item held by a worker that died goes back once (`give_back`)."""
+
+    def __init__(self, items: list[Item]) -> None:
+        self._items = collections.deque(items)
+        self._returned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def take(self) -> Item | None:
+        with self._lock:
+            return self._items.popleft() if self._items else None
+
+    async def take_async(self) -> Item | None:
+        return self.take()
+
+    def give_back(self, items: list[Item]) -> int:
+        """Put `items` back for another process; returns how many had been given back before (dropped)."""
+        dropped = 0
+        with self._lock:
+            for item in items:
+                key = str(item.get("item_id"))
+                if key in self._returned:
+                    dropped += 1
+                else:
+                    self._returned.add(key)
+                    self._items.append(item)
+        return dropped
+
+
+Take = Callable[[], Awaitable[Item | None]]
+
+
+async def _consume(env: HermesAgentBaseEnv, take: Take, write: Callable[[str | None], None]) -> None:
+    """`process_concurrency` groups in flight, each on the next item `take` gives, until it gives none."""
 
     async def consumer() -> None:
-        while (item := await asyncio.to_thread(pending.get)) is not _DONE:
+        while (item := await take()) is not None:
             env.remember_item(item)  # Done by `get_next_item` in the parent; a worker needs it too.
             try:
                 group, _ = await env.collect_trajectories(item)
@@ -118,63 +151,77 @@ async def _consume(env: HermesAgentBaseEnv, pending: Any, write: Callable[[str |
 
 
 @contextlib.contextmanager
-def _worker_pool(
-    env: HermesAgentBaseEnv, extra: int, write: Callable[[str | None], None], counts: dict[str, int]
-) -> Iterator[Any]:
-    """The item queue, and `extra` spawned workers consuming it; their lines go to `write`.
+def _workers(
+    env: HermesAgentBaseEnv, extra: int, pool: ItemPool, write: Callable[[str | None], None], counts: dict[str, int]
+) -> Iterator[None]:
+    """`extra` spawned workers taking items from `pool` (a pipe each) and sending their lines to `write`.
 
-    On the way out the workers are waited for (the queue ends with their end markers), their
-    rollout counts added to `counts`; a worker that died loses its in-flight groups (not written:
-    a resumed run makes them), and is logged. An env class a worker could not import is refused first.
+    On the way out the workers are waited for, their rollout counts added to `counts`; the items of
+    one that died go back to `pool` (counted in `requeued`, or `lost` the second time). An env class
+    a worker could not import is refused first.
     """
     if extra == 0:
-        pending: Any = queue.SimpleQueue()
-        yield pending
+        yield
         return
     _check_spawnable(env)
     context = multiprocessing.get_context("spawn")  # The parent runs threads and an event loop: no fork.
-    pending = context.Queue()
     pipes, procs = [], []
     for index in range(extra):
-        receive, send = context.Pipe(duplex=False)
+        here, there = context.Pipe()
         proc = context.Process(
-            target=_worker_main, args=(type(env), env.spawn_args, pending, send, os.getpid()),
+            target=_worker_main, args=(type(env), env.spawn_args, there, os.getpid()),
             name=f"{env.name}-process-{index + 1}", daemon=True,
         )  # fmt: skip
         proc.start()
-        send.close()
-        pipes.append(receive)
+        there.close()
+        pipes.append(here)
         procs.append(proc)
-    reader = threading.Thread(target=_read_workers, args=(pipes, write, counts), daemon=True)
+    reader = threading.Thread(target=_serve_workers, args=(pipes, pool, write, counts), daemon=True)
     reader.start()
     try:
-        yield pending
+        yield
     finally:
         reader.join()
         for proc in procs:
             proc.join(timeout=30)
             if proc.exitcode != 0:
-                logger.error("worker %s ended with code %s: its in-flight groups are lost", proc.name, proc.exitcode)
+                logger.error("worker %s ended with code %s", proc.name, proc.exitcode)
                 if proc.exitcode is None:
                     proc.kill()
-        pending.cancel_join_thread()  # End markers of workers that died may be left: nothing to wait for.
-        pending.close()
 
 
-def _read_workers(pipes: list[Connection], write: Callable[[str | None], None], counts: dict[str, int]) -> None:
-    """Write the workers' lines as they come, until every worker's pipe closes; add each worker's
-    last rollout counts (they travel with every line, so a worker that dies is counted too)."""
+def _serve_workers(
+    pipes: list[Connection], pool: ItemPool, write: Callable[[str | None], None], counts: dict[str, int]
+) -> None:
+    """Answer the workers' item requests and write their lines until every pipe closes; give back
+    the items of a worker that died; add each worker's last rollout counts (they travel with every
+    line, so a worker that dies is counted too)."""
     from multiprocessing.connection import wait
 
+    held: dict[int, dict[str, Item]] = {id(pipe): {} for pipe in pipes}
     last: dict[int, dict[str, int]] = {}
     open_pipes = list(pipes)
     while open_pipes:
         for pipe in wait(open_pipes):
+            mine = held[id(pipe)]
             try:
-                line, last[id(pipe)] = pipe.recv()
+                message = pipe.recv()
+                if message == "take":
+                    item = pool.take()
+                    if item is not None:
+                        mine[str(item.get("item_id"))] = item
+                    pipe.send(item)
+                    continue
             except (EOFError, OSError, pickle.UnpicklingError):  # Closed, or torn by a worker killed mid-send.
                 open_pipes.remove(pipe)
+                if mine:
+                    dropped = pool.give_back(list(mine.values()))
+                    counts["requeued"] += len(mine) - dropped
+                    counts["lost"] += dropped
+                    logger.warning("a worker died holding %d items: %d given back", len(mine), len(mine) - dropped)
                 continue
+            item_id, line, last[id(pipe)] = message
+            mine.pop(item_id, None)
             write(line)
     for worker in last.values():
         counts["rollouts"] += worker["rollouts"]
@@ -197,27 +244,38 @@ def _check_spawnable(env: HermesAgentBaseEnv) -> None:
         )
 
 
-def _worker_main(env_class: type, spawn_args: dict[str, Any], pending: Any, send: Connection, parent: int) -> None:
-    """A spawned worker: the env rebuilt, its groups' lines (with its rollout counts so far) sent to the
-    parent, which writes them."""
+def _worker_main(env_class: type, spawn_args: dict[str, Any], pipe: Connection, parent: int) -> None:
+    """A spawned worker: the env rebuilt, items asked for one at a time, each group's line (with the
+    worker's rollout counts so far) sent to the parent, which writes it."""
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: a killed parent takes its workers along.
     if os.getppid() != parent:
         return
     env = env_class(**spawn_args)
     env.process_mode = True
+    asking = asyncio.Lock()
+    current: dict[int, str] = {}  # The item each consumer task holds: its line names it.
+
+    async def take() -> Item | None:
+        async with asking:  # One request on the pipe at a time: replies come in order.
+            pipe.send("take")
+            item = await asyncio.to_thread(pipe.recv)
+        if item is not None:
+            current[id(asyncio.current_task())] = str(item.get("item_id"))
+        return item
 
     def send_line(line: str | None) -> None:
-        send.send((line, {"rollouts": env._rollouts, "infra_failures": env._infra_failures}))
+        item_id = current.pop(id(asyncio.current_task()), None)
+        pipe.send((item_id, line, {"rollouts": env._rollouts, "infra_failures": env._infra_failures}))
 
     async def run() -> None:
         await env.setup()
         try:
-            await _consume(env, pending, send_line)
+            await _consume(env, take, send_line)
         finally:
             await env.close()
 
     asyncio.run(run())
-    send.close()
+    pipe.close()
 
 
 def json_line(group: dict[str, Any]) -> str:

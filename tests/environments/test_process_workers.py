@@ -1,5 +1,5 @@
 """`process` mode in several processes: every item written once by the one writer, rollouts counted
-from every process; a worker that dies loses only its in-flight groups, which a resumed run makes."""
+from every process; the item a worker held when it died is made by another process."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from atroposlib.envs.base import APIServerConfig
 
+from flywheel.environments.process_mode import ItemPool
 from flywheel.environments.tool_use_chain import ToolUseChainEnv
 from tests.environments.conftest import chat_reply
 
@@ -75,18 +76,25 @@ def test_two_processes_write_every_item_once(replies: str, tiny_model: Path, tmp
     assert stats["groups_lost"] == stats["groups_failed"] == stats["infra_failures"] == 0
 
 
-def test_a_dying_worker_loses_its_group_and_a_resumed_run_makes_it(
+def test_the_item_of_a_worker_that_died_is_made_by_another_process(
     replies: str, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = tmp_path / "groups.jsonl"
     monkeypatch.setenv(DIE, "1")
     stats = _run(replies, tiny_model, out, groups=4)
-    assert stats["groups_written"] == 3 and stats["groups_lost"] == 1  # The parent made the rest.
-    assert {g["meta"]["pid"] for g in _groups(out)} == {os.getpid()}
-    monkeypatch.delenv(DIE)
-    stats = _run(replies, tiny_model, out, groups=4)
-    assert stats["groups_skipped_as_done"] == 3 and stats["groups_written"] == 1 and stats["groups_lost"] == 0
+    assert stats["groups_written"] == 4 and stats["groups_requeued"] == 1 and stats["groups_lost"] == 0
+    assert {g["meta"]["pid"] for g in _groups(out)} == {os.getpid()}  # The worker made none.
     assert sorted(g["meta"]["item_id"] for g in _groups(out)) == [f"tool_use_chain-0-{i}" for i in range(4)]
+
+
+def test_an_item_given_back_twice_is_dropped() -> None:
+    """An item that killed two processes is not handed out a third time (a resumed run tries it again)."""
+    pool = ItemPool([{"item_id": "a"}, {"item_id": "b"}])
+    first, second = pool.take(), pool.take()
+    assert pool.take() is None
+    assert pool.give_back([first]) == 0 and pool.take() == first
+    assert pool.give_back([first, second]) == 1  # `a` came back before: dropped; `b` goes round again.
+    assert pool.take() == second and pool.take() is None
 
 
 def test_an_env_class_a_worker_cannot_import_is_refused(replies: str, tiny_model: Path, tmp_path: Path) -> None:

@@ -19,12 +19,15 @@ from flywheel.data import ArtifactStore, lineage
 from flywheel.flows.local_server import prefect_bin, workers
 from flywheel.flows.round_config import load_round_config
 from flywheel.flows.stages import STAGES
-from flywheel.flows.work import RLParams
 from tests.conftest import TEST_BUCKET
 from tests.flows.conftest import flow_runs
 from tests.flows.test_cli import FLYWHEEL
 
 ROOT = Path(__file__).resolve().parents[2]
+ROUND_OVERRIDES = [
+    "data.runner=dask", "data.shard_groups=2", "data.workers=2", "rl.rl_mode=atropos",
+    "rl.env_workers_deployment=env-workers/atropos", "rl.serve_host=0.0.0.0", "rl.drop_flat_groups=false",
+]  # fmt: skip
 STAGE_RUNS = {f"{stage}-r1" for stage in STAGES} | {"evaluate-r0", "lm_eval-r0", "gate-r0", "mine-r0"}
 
 
@@ -85,9 +88,11 @@ def deployment_run(env: dict[str, str], name: str, **params: str) -> subprocess.
 @pytest.fixture(scope="module")
 def full_round(deployed: dict) -> dict:
     """`prefect deployment run flywheel/full` (tiny profile) to completion, its generation and curation
-    in shards of 2 groups on a local Dask cluster (`data.runner: dask`)."""
+    in shards of 2 groups on a local Dask cluster (`data.runner: dask`), its RL stage in atropos mode
+    with the env workers a sub-run on the `cpu` pool (run-api and the policy endpoint on every
+    interface, reached by this machine's name)."""
     env = deployed["env"]
-    config = load_round_config("tiny", overrides=["data.runner=dask", "data.shard_groups=2", "data.workers=2"])
+    config = load_round_config("tiny", overrides=ROUND_OVERRIDES)
     result = deployment_run(
         env, "flywheel/full", profile="tiny", store_url=deployed["store_url"], config=config.model_dump_json()
     )
@@ -152,23 +157,14 @@ def test_a_failed_run_fails_clearly_and_fires_the_alert(deployed: dict, alerts: 
     assert "Failed" in alert["text"]
 
 
-def test_atropos_rl_runs_its_env_workers_as_a_sub_run_on_the_cpu_pool(full_round: dict) -> None:
-    """The RL stage in atropos mode, deployed: the trainer on `h100` keeps run-api and the policy endpoint
-    (on every interface, reached by this machine's name), its env workers run as a sub-run on `cpu`, and
-    that run ends by itself when training is done."""
-    env, store_url = full_round["env"], full_round["store_url"]
-    store = ArtifactStore(store_url)
-    overrides = ["rl.rl_mode=atropos", "rl.env_workers_deployment=env-workers/atropos", "rl.serve_host=0.0.0.0",
-                 "rl.drop_flat_groups=false"]  # fmt: skip
-    config = load_round_config("tiny", overrides=overrides)
-    params = RLParams(store_url=store_url, round_no=7, config=config, policy=store.resolve("checkpoint/sft-r1"))
-    result = deployment_run(env, "rl/stage", params=params.model_dump_json())
-    worker_logs = "".join(p.read_text()[-3000:] for p in full_round["logs"].glob("*.log"))
-    assert result.returncode == 0, result.stdout[-3000:] + worker_logs
-    trainer = next(run for run in flow_runs(env) if run["name"] == "rl-r7")
+def test_the_rl_stages_env_workers_ran_as_its_sub_run_on_the_cpu_pool(full_round: dict) -> None:
+    """The trainer on `h100` kept run-api and the policy endpoint; its env workers ran on `cpu` as a
+    sub-run of the RL stage, and that run ended by itself when training was done."""
+    env = full_round["env"]
+    trainer = next(run for run in flow_runs(env, name={"any_": ["rl-r1"]}) if run["deployment_id"])
     assert trainer["work_pool_name"] == "h100" and trainer["state_type"] == "COMPLETED"
     sub_runs = flow_runs(env, parent_flow_run_id={"any_": [trainer["id"]]})
-    workers = next(run for run in sub_runs if run["name"] == "env-workers-rl-r7")
+    workers = next(run for run in sub_runs if run["name"] == "env-workers-rl-r1")
     assert workers["work_pool_name"] == "cpu" and workers["state_type"] == "COMPLETED", workers["state"]
-    atropos = store.manifest("checkpoint/rl-r7").metrics["atropos"]
+    atropos = ArtifactStore(full_round["store_url"]).manifest("checkpoint/rl-r1").metrics["atropos"]
     assert atropos["groups_trained"] > 0 and atropos["endpoint_replies"] > 0
