@@ -1,6 +1,6 @@
 """GRPO the Atropos way (`rl_mode: atropos`): env workers feed `run-api`, the trainer consumes it.
 
-    trainer ── policy endpoint (a copy of the weights, synced each step) ◀── env workers (N processes)
+    trainer ── policy endpoint (its weights, loaded each step) ◀── env workers (N processes)
        ▲                                                                        │ scored groups
        └──────────── checked groups (version, shape) ◀── run-api ◀──────────────┘
 
@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from transformers import TrainerCallback
+from transformers import AutoConfig, TrainerCallback
 
 from flywheel.environments.sandbox.box import isolation_available
 from flywheel.training.env_fleet import EnvFleet
@@ -76,17 +76,25 @@ class AtroposMode:
         self.fleet = worker_fleet(cfg, model_dir, run.path / "envs", host=cfg.serve_host)
         if launcher is not None:
             self.fleet.workers = 0
-        top_k = cfg.sampling_top_k(False)
-        self.endpoint = PolicyEndpoint(model_dir, tokenizer, top_k, cfg.max_completion_length, host=cfg.serve_host)
+        # On vLLM the endpoint serves the trainer's engine, which exists once the trainer does (`running`).
+        self.endpoint: PolicyEndpoint | None = None
+        if not cfg.vllm():
+            top_k, limit = cfg.sampling_top_k(False), cfg.max_completion_length
+            self.endpoint = PolicyEndpoint.generation_copy(model_dir, tokenizer, top_k, limit, host=cfg.serve_host)
         self.api = RunApi(self.fleet.api_url)
         where = "their flow run's logs" if launcher else f"their logs: {self.fleet.log_dir}"
         hint = f"; the env workers: {where}" + (
             "; drop_flat_groups is on: a policy whose groups all score alike sends none" if cfg.drop_flat_groups else ""
         )
+        vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
         self.queue = GroupQueue(
-            self.api, cfg.num_rollouts_per_task, cfg.max_async_level, self.endpoint.vocab_size, hint=hint,
-            progress=lambda: self.endpoint.served, problem=self.problem,
+            self.api, cfg.num_rollouts_per_task, cfg.max_async_level, vocab_size, hint=hint,
+            progress=self.replies, problem=self.problem,
         )  # fmt: skip
+
+    def replies(self) -> int:
+        """The policy endpoint's replies so far: the workers' progress."""
+        return self.endpoint.served if self.endpoint is not None else 0
 
     def problem(self) -> str | None:
         """Why no group can come any more (None: the workers are running, or will be restarted)."""
@@ -104,14 +112,17 @@ class AtroposMode:
         return atropos_rollout_func(self.queue, self.cfg.num_rollouts_per_task, self.cfg.max_completion_length)
 
     def callbacks(self, trainer_model: Any) -> list[TrainerCallback]:
-        """Weight sync after each step and at the start; the queue's counts in each step's log."""
-        return [SyncPolicy(self.endpoint, trainer_model), QueueStats(self)]
+        """Weight sync after each step and at the start (TRL's own on vLLM); the queue's counts in each step's log."""
+        syncs = [SyncPolicy(self.endpoint, trainer_model)] if self.endpoint is not None else []
+        return [*syncs, QueueStats(self)]
 
     @contextlib.contextmanager
     def running(self, trainer: Any) -> Iterator[None]:
         """`run-api` and the policy endpoint up, the trainer registered, the env workers started, for the
         length of training; everything stopped after (launched workers last: they end with the endpoint)."""
         cfg = self.cfg
+        if self.endpoint is None:
+            self.endpoint = PolicyEndpoint.on_vllm(trainer, cfg.max_completion_length, host=cfg.serve_host)
         with contextlib.ExitStack() as stack:
             if self.launcher is not None:
                 stack.callback(self.launcher.stop)
@@ -137,7 +148,7 @@ class AtroposMode:
                 "mean_age_steps": statistics.fmean(ages) if ages else None,
                 "refused": dict(self.queue.refused),
                 "worker_restarts": sum(self.fleet.restarts.values()),
-                "endpoint_replies": self.endpoint.served,
+                "endpoint_replies": self.replies(),
             }
         }
 

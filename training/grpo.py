@@ -109,7 +109,11 @@ class GRPORunConfig(RunnerConfig):
     """GRPO on the environments: the runner knobs plus where generation runs."""
 
     algorithm: Literal["grpo"] = Field(default="grpo", description="Always grpo.")
-    use_vllm: bool | None = Field(default=None, description="Generate with vLLM (None: on CUDA yes, on CPU no).")
+    use_vllm: bool | None = Field(
+        default=None,
+        description="Generate with vLLM (None: on CUDA yes, on CPU no); in atropos mode the policy endpoint serves "
+        "that engine.",
+    )
     vllm_mode: Literal["colocate"] = Field(
         default="colocate",
         description="vLLM in each training process. TRL's server mode is not offered: its generate is a collective "
@@ -152,8 +156,6 @@ class GRPORunConfig(RunnerConfig):
             problems.append("rl_mode=atropos screens nothing (the workers drop flat groups): set screen_tasks=0")
         if self.rl_mode != "atropos" and self.env_workers_deployment:
             problems.append("env_workers_deployment places atropos mode's env workers: set rl_mode=atropos")
-        if self.rl_mode == "atropos" and self.vllm():
-            problems.append("rl_mode=atropos generates on the trainer's policy endpoint (CPU): set use_vllm=false")
         if self.use_vllm and self.device == "cpu":
             problems.append("use_vllm needs device=cuda (vLLM's wheel is CUDA-only)")
         if self.top_k and (self.use_vllm or (self.use_vllm is None and self.device == "cuda")):

@@ -1,22 +1,32 @@
 """The policy under training behind HTTP, for the env workers of atropos-mode GRPO.
 
-The trainer keeps a second copy of its weights for generation, so training never updates a tensor
-a forward pass is reading, serves it with `PolicyServer`'s continuous batching at `POST /generate`
-(`{"prompt_ids", "max_tokens", "temperature", "seed"}` -> `{"token_ids", "version"}`: token ids in and
-out, nothing re-tokenised), and loads the trainer's weights into the copy after every optimizer step
-(`sync`, with the generation loops parked between forward passes), the version becoming the
-trainer's step. A reply reports the version loaded when its request arrived: one whose generation
-spans a sync counts as made by the older weights, so a group's age is never under-counted. Cached
-prompt pages are not shared between requests here (they would hold keys and values of older
-weights for every later request with the same tool schemas). Replies carry no sampling log-probs
-(seeded Gumbel-max sampling leaves none), as in-process CPU generation does: the trainer scores
-the old policy itself.
+`POST /generate` (`{"prompt_ids", "max_tokens", "temperature", "seed"}` -> `{"token_ids", "logprobs",
+"version"}`): token ids in and out, nothing re-tokenised. Two generators stand behind it:
+
+- `generation_copy` (CPU): a second copy of the trainer's weights, so training never updates a tensor
+  a forward pass is reading, served with `PolicyServer`'s continuous batching; `sync` loads the
+  trainer's weights into it after every optimizer step, with the generation loops parked between
+  forward passes. Replies carry no sampling log-probs (seeded Gumbel-max sampling leaves none), as
+  in-process CPU generation does: the trainer scores the old policy itself. Cached prompt pages are
+  not shared between requests (they would hold keys and values of older weights for every later
+  request with the same tool schemas).
+- `on_vllm` (CUDA): TRL's colocated vLLM engine (`use_vllm`, `vllm_mode: colocate`: the engine on the
+  trainer's GPU, `vllm_gpu_memory_utilization` of its memory), concurrent requests batched onto it.
+  TRL loads the trainer's weights into the engine before each step's generation; that load waits
+  for the batch in flight and sets the version. Replies carry vLLM's processed log-probs, which
+  travel with the group, so TRL's importance-sampling correction covers both the engine's numerics
+  and the group's age.
+
+The version is the trainer's step whose weights are loaded. A reply reports the version loaded when
+its request arrived: one whose generation spans a load counts as made by the older weights, so a
+group's age is never under-counted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 from pathlib import Path
 from typing import Any
@@ -31,16 +41,12 @@ logger = logging.getLogger(__name__)
 
 
 class PolicyEndpoint:
-    """A generation copy of the policy, served over HTTP on a thread of its own; a context manager."""
+    """The policy's generator (a copy, or the trainer's vLLM engine) over HTTP on a thread of its own; a
+    context manager."""
 
-    def __init__(self, model_dir: Path, tokenizer: Any, top_k: int, max_new_tokens: int, host: str = "127.0.0.1"):
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        self.generator = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.generator.requires_grad_(False)
-        self.server = PolicyServer(lambda: self.generator, tokenizer, top_k, max_new_tokens, prefix_sharing=False)
-        self.vocab_size = int(self.generator.config.vocab_size)
+    def __init__(self, server: PolicyServer, vocab_size: int, host: str = "127.0.0.1") -> None:
+        self.server = server
+        self.vocab_size = vocab_size
         self.version = 0
         self.served = 0
         self.host = host
@@ -48,6 +54,36 @@ class PolicyEndpoint:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
+
+    @classmethod
+    def generation_copy(
+        cls, model_dir: Path, tokenizer: Any, top_k: int, max_new_tokens: int, host: str = "127.0.0.1"
+    ) -> PolicyEndpoint:
+        """A CPU copy of the policy in `model_dir`, which `sync` keeps up with the trainer."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        generator = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        generator.requires_grad_(False)
+        server = PolicyServer(lambda: generator, tokenizer, top_k, max_new_tokens, prefix_sharing=False)
+        return cls(server, int(generator.config.vocab_size), host)
+
+    @classmethod
+    def on_vllm(cls, trainer: Any, max_new_tokens: int, host: str = "127.0.0.1") -> PolicyEndpoint:
+        """The vLLM engine of a TRL trainer (`use_vllm`, colocated), kept up by TRL's own weight sync."""
+        server = PolicyServer.of_trainer(trainer, max_new_tokens)
+        vocab_size = int(trainer.accelerator.unwrap_model(trainer.model).config.vocab_size)
+        endpoint = cls(server, vocab_size, host)
+        generation = trainer.vllm_generation
+        load = generation.sync_weights
+
+        def sync_weights() -> None:  # TRL calls it from the training loop while the endpoint generates.
+            with server.paused():
+                load()
+                endpoint.version = trainer.state.global_step
+
+        generation.sync_weights = sync_weights
+        return endpoint
 
     def __enter__(self) -> PolicyEndpoint:
         """Serve (until `close`): the server runs on an event loop of its own thread."""
@@ -64,9 +100,10 @@ class PolicyEndpoint:
         """Load `model`'s weights into the generation copy; replies requested from now on are `version`'s."""
         import torch
 
+        generator = self.server.model()
         source = dict(model.named_parameters()) | dict(model.named_buffers())
         with torch.no_grad(), self.server.paused():
-            for name, tensor in [*self.generator.named_parameters(), *self.generator.named_buffers()]:
+            for name, tensor in [*generator.named_parameters(), *generator.named_buffers()]:
                 tensor.copy_(source[name].detach().to(tensor.dtype))
         self.version = version
 
@@ -118,9 +155,11 @@ class PolicyEndpoint:
             # One bad id would fail the generation step every request in flight shares.
             return web.json_response({"error": "bad request: empty prompt, an id outside the vocabulary, "
                                       "max_tokens < 1 or a negative temperature"}, status=400)  # fmt: skip
-        new = await self.server.generate_paged(prompt_ids, temperature, max_new, seed)
+        new, logprobs = await self.server.generate(prompt_ids, temperature, max_new, seed)
         self.served += 1
-        return web.json_response({"token_ids": new, "version": version})
+        if logprobs is not None:  # JSON has no NaN: an unknown log-prob travels as null.
+            logprobs = [None if math.isnan(lp) else lp for lp in logprobs]
+        return web.json_response({"token_ids": new, "logprobs": logprobs, "version": version})
 
 
 class RemotePolicy:
@@ -133,8 +172,9 @@ class RemotePolicy:
 
     async def generate(
         self, prompt_ids: list[int], temperature: float, max_new: int, seed: int
-    ) -> tuple[list[int], int]:
-        """The sampled ids of one reply and the version of the weights that sampled them."""
+    ) -> tuple[list[int], list[float] | None, int]:
+        """The sampled ids of one reply, their sampling log-probs (None: the endpoint gives none; NaN: the
+        engine gave none for that token) and the version of the weights that sampled them."""
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=self.timeout)
         body = {"prompt_ids": prompt_ids, "max_tokens": max_new, "temperature": temperature, "seed": seed}
@@ -142,7 +182,10 @@ class RemotePolicy:
             if response.status != 200:
                 raise RuntimeError(f"policy endpoint {self.url}: HTTP {response.status}: {await response.text()}")
             reply = await response.json()
-        return [int(i) for i in reply["token_ids"]], int(reply["version"])
+        logprobs = reply.get("logprobs")
+        if logprobs is not None:
+            logprobs = [math.nan if lp is None else float(lp) for lp in logprobs]
+        return [int(i) for i in reply["token_ids"]], logprobs, int(reply["version"])
 
     async def close(self) -> None:
         if self._session is not None:

@@ -219,8 +219,10 @@ class PolicyServer:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Every running generation loop parked, its requests and cache kept: the weights may change in place."""
+        """Every running generation loop parked, its requests and cache kept (on vLLM: the batch in flight
+        done, the next one waiting): the weights may change in place."""
         with contextlib.ExitStack() as stack:
+            stack.enter_context(self._model_lock)
             for manager in list(self._managers.values()):
                 if manager.is_running():
                     stack.enter_context(manager.pause())
@@ -235,18 +237,13 @@ class PolicyServer:
         prompt_ids, continues = self._prompt_ids(messages, tools, trajectory)
         max_new = min(int(kwargs.get("max_tokens") or self.max_new_tokens), self.max_new_tokens)
         temperature = float(kwargs.get("temperature", 1.0))
-        logprobs = None
         try:
-            if self.vllm is not None:
-                request = _Request(prompt_ids, temperature, max_new)
-                new = await asyncio.to_thread(self._generate_on_vllm, request)
-                logprobs = request.logprobs
-            elif self.remote is not None:
-                new, version = await self.remote.generate(prompt_ids, temperature, max_new, seed)
+            if self.remote is not None:
+                new, logprobs, version = await self.remote.generate(prompt_ids, temperature, max_new, seed)
                 if trajectory is not None:
                     trajectory.versions.append(version)
             else:
-                new = await self.generate_paged(prompt_ids, temperature, max_new, seed)
+                new, logprobs = await self.generate(prompt_ids, temperature, max_new, seed)
         except BaseException:  # The loop may retry: the retry splices the env's turn again, so forget this one's.
             if trajectory is not None:
                 trajectory.truncate(before)
@@ -292,6 +289,17 @@ class PolicyServer:
             return full, True
         trajectory.add(full[len(before) :], sampled=False)
         return trajectory.prompt_ids + trajectory.completion_ids, True
+
+    async def generate(
+        self, prompt_ids: list[int], temperature: float, max_new: int, seed: int
+    ) -> tuple[list[int], list[float] | None]:
+        """One reply's ids and, on vLLM, their sampling log-probs (NaN where the engine gave none); in-process
+        sampled from `seed`'s stream, on vLLM from the engine's (its replies are not reproducible by seed)."""
+        if self.vllm is None:
+            return await self.generate_paged(prompt_ids, temperature, max_new, seed), None
+        request = _Request(prompt_ids, temperature, max_new)
+        new = await asyncio.to_thread(self._generate_on_vllm, request)
+        return new, request.logprobs
 
     async def generate_paged(self, prompt_ids: list[int], temperature: float, max_new: int, seed: int) -> list[int]:
         """One reply from the continuous-batching manager, ending at its first end-of-sequence token; sampled

@@ -4,9 +4,11 @@
 (a shared one would hand a resumed run what its killed run left), and hands out whatever it was
 sent. So the checks are the trainer's: a group must be `group_size` rollouts whose masks train only the ids
 they mark, with finite scores and the policy version it was sampled with; a group older than
-`max_async_level` steps is refused (dropped, not corrected: in-process CPU generation gives no
-sampling log-probs to correct with, and a bounded age keeps the step close to on-policy, as
-prime-rl's async level does). Every refusal is counted by reason and logged with the step's metrics.
+`max_async_level` steps is refused (dropped: a bounded age keeps the step close to on-policy, as
+prime-rl's async level does). A younger group is trained as sampled: on CPU without correction
+(in-process generation gives no sampling log-probs), on vLLM with TRL's importance-sampling
+correction against the log-probs the group carries (`inference_logprobs`), which covers its age
+as well as the engine's numerics. Every refusal is counted by reason and logged with the step's metrics.
 """
 
 from __future__ import annotations
@@ -78,6 +80,18 @@ def group_problem(group: Any, group_size: int, vocab_size: int) -> str | None:
             return "a sequence with nothing to train on"
     if any(isinstance(s, bool) or not isinstance(s, int | float) or not math.isfinite(s) for s in scores):
         return "a score that is not a finite number"
+    logprobs = group.get("inference_logprobs")
+    if logprobs is not None and not (
+        isinstance(logprobs, list)
+        and len(logprobs) == group_size
+        and all(isinstance(lps, list) and len(lps) == len(ids) for lps, ids in zip(logprobs, tokens, strict=True))
+        and all(
+            not isinstance(lp, bool) and isinstance(lp, int | float) and (m == -100 or -math.inf < lp <= 0)
+            for lps, mask in zip(logprobs, masks, strict=True)
+            for lp, m in zip(lps, mask, strict=True)
+        )
+    ):
+        return "sampling log-probs that are not one log-prob (<= 0) a trained token"
     overrides = group.get("overrides")
     if overrides is not None and not (
         isinstance(overrides, list) and len(overrides) == group_size and all(isinstance(o, dict) for o in overrides)
@@ -178,22 +192,26 @@ def atropos_rollout_func(queue: GroupQueue, group_size: int, max_completion_leng
 
     def rollout(prompts: list[Any], trainer: Any) -> dict[str, list[Any] | None]:
         groups = queue.take(len(prompts) // group_size, trainer.state.global_step)
-        out: dict[str, Any] = {k: [] for k in ("prompt_ids", "completion_ids", "env_mask", "env_reward")}
+        out: dict[str, Any] = {k: [] for k in ("prompt_ids", "completion_ids", "env_mask", "env_reward", "logprobs")}
         out |= {"task_completed": [], "env": [], "retokenized": []}
         for group in groups:
             overrides = group.get("overrides") or [{}] * group_size
-            rows = zip(group["tokens"], group["masks"], group["scores"], overrides, strict=True)  # Checked lengths.
-            for ids, mask, score, extra in rows:
+            logprobs = group.get("inference_logprobs") or [None] * group_size
+            rows = zip(group["tokens"], group["masks"], group["scores"], overrides, logprobs, strict=True)  # Checked.
+            for ids, mask, score, extra, sampled in rows:
                 start = next(i for i, m in enumerate(mask) if m != -100)
                 out["prompt_ids"].append(ids[:start])
                 out["completion_ids"].append(ids[start:][:max_completion_length])
+                completion = len(out["completion_ids"][-1])
+                out["logprobs"].append(sampled[start:][:max_completion_length] if sampled else [math.nan] * completion)
                 out["env_mask"].append([int(m != -100) for m in mask[start:][:max_completion_length]])
                 out["env_reward"].append(float(score))
                 completed = (extra or {}).get("task_completed")  # None: the env did not say; full reward counts.
                 out["task_completed"].append(bool(completed) if completed is not None else score >= 1.0)
                 out["env"].append(group["group_overrides"].get("env", "env"))
                 out["retokenized"].append(bool((extra or {}).get("retokenized")))
-        out["logprobs"] = None  # The trainer scores the old policy itself (no sampling log-probs travel).
+        if not getattr(trainer, "use_vllm", False):
+            out["logprobs"] = None  # TRL corrects with them on vLLM only; on CPU it scores the old policy itself.
         return out
 
     return rollout

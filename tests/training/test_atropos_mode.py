@@ -53,10 +53,15 @@ def _group(version: Any = 2, tokens: list[list[int]] | None = None, **fields: An
         ({"group_overrides": {"env": "tool_use_chain"}}, "no policy version"),
         ({"group_overrides": None}, "no policy version"),
         ({"overrides": [{"task_completed": True}]}, "overrides that are not one dict a sequence"),
+        ({"inference_logprobs": [[1.0, 1.0, -0.5, -0.1]]}, "sampling log-probs"),
+        ({"inference_logprobs": [[1.0, 1.0, -0.5], [1.0, 1.0, -0.2, -0.3]]}, "sampling log-probs"),
+        ({"inference_logprobs": [[1.0, 1.0, 0.5, -0.1], [1.0, 1.0, -0.2, -0.3]]}, "sampling log-probs"),
+        ({"inference_logprobs": [[1.0, 1.0, "x", -0.1], [1.0, 1.0, -0.2, -0.3]]}, "sampling log-probs"),
     ],
 )  # fmt: skip
 def test_a_malformed_group_is_named(fields: dict[str, Any], problem: str) -> None:
     assert group_problem(_group(), 2, 1000) is None
+    assert group_problem(_group(inference_logprobs=[[1.0, 1.0, -0.5, -0.1], [1.0, 1.0, -0.2, -0.3]]), 2, 1000) is None
     assert problem in (group_problem(_group(**fields), 2, 1000) or "")
 
 
@@ -108,29 +113,30 @@ def test_the_endpoint_serves_the_synced_weights_with_their_version(tiny_model: P
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     trained = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    with PolicyEndpoint(tiny_model, tokenizer, top_k=0, max_new_tokens=8) as endpoint:
+    with PolicyEndpoint.generation_copy(tiny_model, tokenizer, top_k=0, max_new_tokens=8) as endpoint:
         remote = RemotePolicy(endpoint.url)
 
-        async def ask(seed: int) -> tuple[list[int], int]:
+        async def ask(seed: int) -> tuple[list[int], list[float] | None, int]:
             return await remote.generate([1, 2, 3, 4], 1.0, 6, seed)
 
-        async def twice() -> list[tuple[list[int], int]]:
+        async def twice() -> list[tuple[list[int], list[float] | None, int]]:
             try:
                 return [await ask(7), await ask(7)]
             finally:
                 await remote.close()
 
         first, again = asyncio.run(twice())
-        assert first == again and first[1] == 0 and 0 < len(first[0]) <= 6
+        assert first == again and 0 < len(first[0]) <= 6
+        assert first[1:] == (None, 0)  # No sampling log-probs from the CPU copy; version 0.
         with torch.no_grad():
             for parameter in trained.parameters():
                 parameter.add_(0.5)
         endpoint.sync(trained, 3)
-        assert torch.equal(endpoint.generator.lm_head.weight, trained.lm_head.weight)
+        assert torch.equal(endpoint.server.model().lm_head.weight, trained.lm_head.weight)
         assert httpx.get(f"{endpoint.url}/version").json() == {"version": 3}
         remote = RemotePolicy(endpoint.url)
         after = asyncio.run(twice())[0]
-        assert after[1] == 3
+        assert after[2] == 3
         for bad in ({"prompt_ids": "x"}, {"prompt_ids": [1, 10**7], "max_tokens": 4, "temperature": 1, "seed": 1}):
             refused = httpx.post(f"{endpoint.url}/generate", json=bad)
             assert refused.status_code == 400 and "bad request" in refused.json()["error"]

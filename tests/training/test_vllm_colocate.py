@@ -100,3 +100,80 @@ def test_a_wrong_sampling_log_prob_moves_the_importance_ratio(tiny_model: Path, 
     (step,) = skewed["metrics"]
     assert abs(step["sampling/sampling_logp_difference/mean"] - 0.5) < 1e-3
     assert step["sampling/importance_sampling_ratio/max"] < 1e-3
+
+
+ATROPOS_RUN = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    from pathlib import Path
+    import vllm
+    from flywheel.data import ArtifactStore
+    from flywheel.training import atropos_mode
+    from flywheel.training.grpo import GRPORunConfig, run_grpo
+
+    trained, make = [], atropos_mode.atropos_rollout_func
+
+    def recording(*args, **kwargs):  # What the trainer took from run-api, as TRL gets it.
+        rollout = make(*args, **kwargs)
+
+        def record(prompts, trainer):
+            out = rollout(prompts, trainer)
+            trained.append({k: out[k] for k in ("prompt_ids", "completion_ids", "env_mask", "logprobs")})
+            return out
+
+        return record
+
+    atropos_mode.atropos_rollout_func = recording
+    manifest = run_grpo(GRPORunConfig.model_validate_json(sys.argv[1]), ArtifactStore(sys.argv[2]))
+    (engine,) = vllm.ENGINES
+    result = {"trained": trained, "generated": vllm.GENERATED, "loaded": engine.runner.loaded,
+              "resets": engine.prefix_resets, "metrics": manifest.metrics}
+    Path(sys.argv[3]).write_text(json.dumps(result))
+    """
+)
+
+
+def test_atropos_mode_serves_the_trainers_vllm_engine_and_corrects_with_its_log_probs(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Atropos-mode GRPO with `use_vllm`: the policy endpoint serves TRL's colocated engine (the stand-in),
+    an env worker's groups carry the engine's sampled ids and log-probs through run-api, and the trainer
+    trains on exactly those ids with those log-probs in TRL's importance correction. TRL's per-step
+    weight load reaches the engine and stamps the version; a step-1 group (sampled by the weights it
+    trains) has log-probs that equal the trainer's."""
+    from flywheel.training.grpo import GRPORunConfig
+
+    cfg = GRPORunConfig(
+        policy_model=str(tiny_model), total_steps=2, batch_size=2, gradient_accumulation_steps=2,
+        num_rollouts_per_task=2, max_completion_length=160, num_tasks=4, logs_root=str(tmp_path / "logs"),
+        output_name="rl-atropos-vllm", max_agent_turns=3, envs=["file_stats"], rl_mode="atropos", env_workers=1,
+        max_async_level=1, drop_flat_groups=False, use_vllm=True, top_k=0, temperature=0.7, warmup_ratio=0.0,
+    )  # fmt: skip
+    environ = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "stand_ins")]),
+        "VLLM_STAND_IN_SCRIPT": "tests.training.test_grpo:_count_lines_like_the_oracle",
+    }
+    out = tmp_path / "result.json"
+    command = [sys.executable, "-c", ATROPOS_RUN, cfg.model_dump_json(), str(tmp_path / "store"), str(out)]
+    done = subprocess.run(command, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    fed = result["metrics"]["atropos"]
+    assert result["metrics"]["steps"] == 2 and fed["groups_trained"] == 4 and fed["refused"].get("malformed", 0) == 0
+    generated = [(g["prompt_ids"], g["token_ids"]) for g in result["generated"]]
+    assert assert_trained_as_sampled(result["trained"], generated) == 8  # Every rollout: three turns, two splices.
+    logprobs = {tuple(g["prompt_ids"]): g["logprobs"] for g in result["generated"]}
+    for batch in result["trained"]:
+        for prompt, completion, mask, trained in zip(
+            batch["prompt_ids"], batch["completion_ids"], batch["env_mask"], batch["logprobs"], strict=True
+        ):
+            starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
+            for start in starts:
+                end = next((i for i in range(start, len(mask)) if not mask[i]), len(mask))
+                assert trained[start:end] == logprobs[tuple(prompt + completion[:start])][: end - start]
+    steps = [m for m in map(json.loads, next((tmp_path / "logs").glob("run-*/metrics.jsonl")).open()) if "reward" in m]
+    assert steps[0]["sampling/sampling_logp_difference/max"] < 1e-4  # Version-0 groups, version-0 weights.
+    assert all("sampling/importance_sampling_ratio/mean" in m for m in steps)
+    assert result["loaded"] > 0 and result["resets"] == 2  # TRL's load before each step's generation.

@@ -25,6 +25,7 @@ import torch
 __version__ = "0.27.0"  # Inside TRL 1.16's supported range (0.22-0.31), before its stateful weight-transfer API.
 
 GENERATED: list[dict[str, Any]] = []
+ENGINES: list[LLM] = []  # Every engine made in this process, for a test to read its counters.
 
 
 @dataclass
@@ -108,6 +109,7 @@ class LLM:
         self.skew = float(os.environ.get("VLLM_STAND_IN_SKEW", "0"))
         self.prefix_resets = 0
         self.sleeping = False
+        ENGINES.append(self)
 
     def sleep(self, level: int = 1) -> None:
         self.sleeping = True
