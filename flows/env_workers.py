@@ -49,7 +49,7 @@ def env_workers(params: EnvWorkersParams) -> dict[str, Any]:
 
 
 class DeployedWorkers:
-    """The trainer's side (`training.atropos_mode.WorkerLauncher`): a run of `cfg.env_workers_deployment`,
+    """The trainer's side (`training.worker_handoff.WorkerLauncher`): a run of `cfg.env_workers_deployment`,
     its state read for `problem`, waited for (it ends with the endpoint) or cancelled by `stop`."""
 
     def __init__(self, cfg: GRPORunConfig, store_url: str | None, poll: float = 5.0) -> None:

@@ -44,19 +44,23 @@ def round_plan(config: RoundConfig, profile: str | None = None) -> dict[str, Any
         ("sft", sft, sft_kwargs(sft, RUN_DIR), "trl.SFTTrainer"),
         ("rl", rl, grpo_kwargs(rl, RUN_DIR), "trl.GRPOTrainer"),
     ):
+        gpus = p.training_gpus(getattr(cfg, "rl_mode", None))
         stages[name] |= {
             "trainer": trainer,
             "dtype": settings.model_kwargs()["dtype"],
             "attn_implementation": settings.attn_implementation,
             "config": cfg.model_dump(mode="json"),
             "trainer_args": kwargs,
-            "launch": launch_command(cfg, f"<{name} config>.yaml", max(1, p.gpus)) if work.launched(cfg, p) else None,
+            "launch": launch_command(cfg, f"<{name} config>.yaml", gpus) if work.launched(cfg, p) else None,
         }
+        if p.device == "cuda":
+            stages[name]["gpus"] = gpus
         if p.nodes > 1:
             stages[name]["machines"] = _machines(name, cfg, p)
     stages["rl"]["generation"] = f"vllm {rl.vllm_mode}" if rl.vllm() else "in-process (transformers generate)"
     if rl.rl_mode == "atropos":
-        stages["rl"]["generation"] = "atropos: env workers -> run-api -> trainer; the policy endpoint (transformers)"
+        endpoint = f"TRL's vllm {rl.vllm_mode} engine" if rl.vllm() else "a transformers copy of the weights"
+        stages["rl"]["generation"] = f"atropos: env workers -> run-api -> trainer; the policy endpoint: {endpoint}"
         stages["rl"]["env_workers"] = _env_workers(rl)
     stages["evaluate"] |= _served(server, settings) | {**p.eval.model_dump(), "max_agent_turns": p.max_agent_turns}
     lm_eval = work.lm_eval_config(work.LMEvalParams(**common, model=f"model/{p.model}", name="lm-eval-r1"))
@@ -110,7 +114,7 @@ def _machines(name: str, cfg: Any, p: RoundConfig) -> dict[str, Any]:
     """A training stage across `p.nodes` machines: each one's launch, and the Kubernetes objects that run
     them (an Indexed Job, a pod per machine whose index is its machine rank, and the headless Service
     that gives pod 0 the address every launcher meets at)."""
-    job, config, gpus = f"flywheel-{name}", f"<{name} config>.yaml", max(1, p.gpus)
+    job, config, gpus = f"flywheel-{name}", f"<{name} config>.yaml", p.training_gpus(getattr(cfg, "rl_mode", None))
     lines = [launch_command(cfg, config, gpus, machines=Machines(p.nodes, rank, "<machine 0 address>"))
              for rank in range(p.nodes)]  # fmt: skip
     pod = launch_command(cfg, config, gpus, machines=Machines(p.nodes, 0, f"{job}-0.{job}"))

@@ -241,7 +241,8 @@ def launched(cfg: TrainConfig, config: RoundConfig) -> bool:
 def _train(cfg: TrainConfig, params: StageParams, callbacks: list[Any] | None, **extra: Any) -> Manifest:
     """Train here, or launched with accelerate (steps then show in the run log)."""
     if launched(cfg, params.config):
-        return launch(cfg, params.store(), max(1, params.config.gpus))
+        gpus = params.config.training_gpus(getattr(cfg, "rl_mode", None))
+        return launch(cfg, params.store(), gpus, env_workers=extra.get("env_workers"))
     return run_training(cfg, params.store(), callbacks=callbacks, **extra)
 
 

@@ -18,7 +18,7 @@ import contextlib
 import statistics
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from transformers import AutoConfig, TrainerCallback
 
@@ -28,17 +28,7 @@ from flywheel.training.grpo import GRPORunConfig, weighted_envs
 from flywheel.training.policy_endpoint import PolicyEndpoint
 from flywheel.training.run_logs import RunDir
 from flywheel.training.trajectory_api import GroupQueue, RunApi, atropos_rollout_func
-
-
-class WorkerLauncher(Protocol):
-    """Runs a trainer's env workers somewhere else (`flows.env_workers.DeployedWorkers`: a deployment run
-    on the `cpu` pool); by default they are the trainer's child processes."""
-
-    def start(self, api_url: str, policy_url: str) -> None: ...
-
-    def problem(self) -> str | None: ...
-
-    def stop(self) -> None: ...
+from flywheel.training.worker_handoff import WorkerLauncher
 
 
 def require_isolation() -> None:

@@ -245,7 +245,8 @@ def run_grpo(
 ) -> Manifest:
     """load -> build -> run -> save: GRPO on the configured envs (`envs`: names, or instances as their
     makers configured them); the checkpoint goes to the store. The envs get the policy's tokenizer.
-    `env_workers`: where atropos mode's env workers run (an `atropos_mode.WorkerLauncher`; None: here)."""
+    `env_workers`: where atropos mode's env workers run (a `worker_handoff.WorkerLauncher`; None: where the
+    process that launched this one says, else here)."""
     import torch
     from transformers import AutoTokenizer
     from trl import GRPOTrainer
@@ -261,6 +262,7 @@ def run_grpo(
     screened: dict[str, list[Outcome]] = {}
     if cfg.rl_mode == "atropos":
         from flywheel.training.atropos_mode import AtroposMode
+        from flywheel.training.worker_handoff import HandOff
 
         if any(not isinstance(env, str) for env in envs or []):
             raise ValueError(
@@ -268,7 +270,8 @@ def run_grpo(
                 "module:Class or file path, not instances"
             )
 
-        atropos = AtroposMode(cfg, model_dir, tokenizer, run, launcher=env_workers)
+        launcher = env_workers or HandOff.from_environment()
+        atropos = AtroposMode(cfg, model_dir, tokenizer, run, launcher=launcher)
         dataset, rollout_func, agents = atropos.dataset(), atropos.rollout_func(), []
     else:
         atropos = None

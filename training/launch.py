@@ -21,6 +21,7 @@ from flywheel.data import ArtifactStore, Manifest
 from flywheel.data.store import STORE_ENV
 from flywheel.inference.server import gpu_python
 from flywheel.training.config import DEEPSPEED_DIR, TrainConfig
+from flywheel.training.worker_handoff import WorkerLauncher, relaying
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +131,16 @@ def launch_command(
     return [*launcher(cfg, num_gpus, machines), "-m", "flywheel.flows.cli", *store, *train]
 
 
-def launch(cfg: TrainConfig, store: ArtifactStore, num_gpus: int) -> Manifest:
-    """Train `cfg` on `num_gpus` GPUs with `accelerate launch`; returns its checkpoint's manifest."""
+def launch(
+    cfg: TrainConfig, store: ArtifactStore, num_gpus: int, env_workers: WorkerLauncher | None = None
+) -> Manifest:
+    """Train `cfg` on `num_gpus` GPUs with `accelerate launch`; returns its checkpoint's manifest.
+    `env_workers` runs an atropos-mode trainer's env workers from here (`worker_handoff.relaying`)."""
     with tempfile.TemporaryDirectory() as tmp:
         config_file = Path(tmp, f"{cfg.algorithm}.yaml")
         config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-        run_logged(launch_command(cfg, str(config_file), num_gpus), env={**os.environ, STORE_ENV: store.url})
+        with relaying(env_workers, Path(tmp)) as handoff:
+            run_logged(
+                launch_command(cfg, str(config_file), num_gpus), env={**os.environ, STORE_ENV: store.url, **handoff}
+            )
     return store.manifest(f"checkpoint/{cfg.output_name}")

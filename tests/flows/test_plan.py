@@ -122,6 +122,20 @@ def test_grpo_on_vllm_is_launched_in_the_gpu_runtime_even_on_one_gpu() -> None:
     assert not work.launched(work.rl_config(work.RLParams(round_no=1, config=quick, policy="p")), quick)
 
 
+def test_atropos_mode_on_h100_trains_on_one_gpu_behind_the_trainers_vllm_engine() -> None:
+    """Atropos mode is one trainer process behind one policy endpoint: on an 8-GPU round its RL stage is
+    planned (memory included) and launched on one GPU, unsharded, its endpoint TRL's vLLM engine."""
+    plan = round_plan(load_round_config("h100", overrides=["rl.rl_mode=atropos"]), "h100")
+    rl = plan["stages"]["rl"]
+    assert rl["gpus"] == 1 and plan["stages"]["sft"]["gpus"] == 8
+    assert rl["launch"][:5] == [*accelerate_cli(), "--num_processes", "1"] and "--multi_gpu" not in rl["launch"]
+    assert rl["config"]["deepspeed"] is None and rl["trainer_args"]["use_vllm"]
+    assert rl["generation"].endswith("the policy endpoint: TRL's vllm colocate engine")
+    assert rl["memory"]["fits"]
+    cpu = round_plan(load_round_config("default", overrides=["rl.rl_mode=atropos"]), "default")
+    assert cpu["stages"]["rl"]["generation"].endswith("a transformers copy of the weights")
+
+
 def _option(command: list[str], name: str) -> str:
     return command[command.index(name) + 1]
 

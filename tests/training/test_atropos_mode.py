@@ -233,3 +233,106 @@ def test_atropos_mode_refuses_env_instances(model_store: ArtifactStore, tiny_mod
     with pytest.raises(ValueError, match="pass envs by name, module:Class or file path, not instances"):
         run_grpo(cfg, model_store, envs=[env])
     assert not list(tmp_path.glob("run-*/envs"))  # Nothing started.
+
+
+_SERVE = """
+import sys
+from pathlib import Path
+from flywheel.training.atropos_mode import serve_env_workers
+from flywheel.training.grpo import GRPORunConfig
+
+cfg = GRPORunConfig.model_validate_json(sys.argv[1])
+serve_env_workers(cfg, Path(sys.argv[2]), sys.argv[3], sys.argv[4], Path(sys.argv[5]), poll=0.5)
+"""
+
+
+class WorkersHere:
+    """A `WorkerLauncher` as `flows.env_workers.DeployedWorkers` is one, without Prefect: the same
+    `serve_env_workers` in a process of this machine (`fail`: starting them raises)."""
+
+    def __init__(self, cfg: GRPORunConfig, log_dir: Path, fail: bool = False) -> None:
+        self.cfg, self.log_dir, self.fail = cfg, log_dir, fail
+        self.process: subprocess.Popen[bytes] | None = None
+        self.stopped = False
+
+    def start(self, api_url: str, policy_url: str) -> None:
+        if self.fail:
+            raise RuntimeError("no cpu pool")
+        command = [sys.executable, "-c", _SERVE, self.cfg.model_dump_json(), self.cfg.policy_model, api_url,
+                   policy_url, str(self.log_dir)]  # fmt: skip
+        self.process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    def problem(self) -> str | None:
+        code = self.process.poll() if self.process else None
+        return f"the workers' process exited {code}" if code else None
+
+    def stop(self) -> None:
+        self.stopped = True
+        if self.process is not None:
+            self.process.wait(timeout=120)
+
+
+def test_a_launched_atropos_trainer_hands_its_env_workers_to_the_launching_process(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`accelerate launch` runs the trainer (as on a GPU node, in a runtime without Prefect); the launching
+    process starts the env workers with the URLs the trainer handed back, where its launcher puts them
+    (here: a process beside it), and they end with the trainer."""
+    from flywheel.training.launch import launch
+
+    cfg = GRPORunConfig(
+        policy_model=str(tiny_model), total_steps=1, batch_size=2, gradient_accumulation_steps=2,
+        num_rollouts_per_task=2, max_completion_length=24, num_tasks=4, logs_root=str(tmp_path / "logs"),
+        output_name="rl-launched", max_agent_turns=2, envs=["tests.training.test_checkpoints:VowelShareFileStats"],
+        rl_mode="atropos", env_workers=1, drop_flat_groups=False, device="cpu",
+    )  # fmt: skip
+    workers = WorkersHere(cfg, tmp_path / "workers")
+    store = ArtifactStore(tmp_path / "store")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # The launched trainer imports the test's env too.
+    manifest = launch(cfg, store, 1, env_workers=workers)
+    assert manifest.metrics["steps"] == 1 and manifest.metrics["atropos"]["groups_trained"] == 2
+    assert workers.stopped and workers.process is not None and workers.process.returncode == 0
+    assert (tmp_path / "workers" / "env-worker-0.log").exists()
+    trainer_envs = next((tmp_path / "logs").glob("run-*/envs"))
+    assert not list(trainer_envs.glob("env-worker-*.log"))  # The trainer started none of its own.
+
+
+def test_the_hand_off_passes_back_why_the_workers_cannot_run(tmp_path: Path) -> None:
+    """The launching side starts the workers once the trainer's URLs arrive; a failure to start them, or a
+    problem they report later, reaches the trainer's `HandOff.problem` (its group queue fails with it)."""
+    from flywheel.training.worker_handoff import HandOff, relaying
+
+    cfg = GRPORunConfig()
+    for launcher, expected in (
+        (WorkersHere(cfg, tmp_path, fail=True), "the env workers could not be started: RuntimeError('no cpu pool')"),
+        (_Failing(), "the workers' pool is gone"),
+    ):
+        folder = tmp_path / type(launcher).__name__
+        folder.mkdir()
+        with relaying(launcher, folder, poll=0.05) as environ:
+            trainer_side = HandOff(Path(environ["FLYWHEEL_ENV_WORKERS_HANDOFF"]))
+            assert trainer_side.problem() is None
+            trainer_side.start("http://api", "http://policy")
+            for _ in range(100):
+                if trainer_side.problem():
+                    break
+                time.sleep(0.05)
+            assert trainer_side.problem() == expected
+        assert launcher.stopped  # Stopped when the trainer exits, started or not.
+
+
+class _Failing:
+    """Workers that started, then lost their pool."""
+
+    def __init__(self) -> None:
+        self.started: tuple[str, str] | None = None
+        self.stopped = False
+
+    def start(self, api_url: str, policy_url: str) -> None:
+        self.started = (api_url, policy_url)
+
+    def problem(self) -> str | None:
+        return "the workers' pool is gone" if self.started == ("http://api", "http://policy") else None
+
+    def stop(self) -> None:
+        self.stopped = True
