@@ -12,6 +12,7 @@ then fails with; the workers are stopped when the child exits.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import logging
 import os
@@ -68,7 +69,10 @@ def relaying(launcher: WorkerLauncher | None, folder: Path, poll: float = 1.0) -
         yield {}
         return
     done, started = threading.Event(), threading.Event()
-    relay = threading.Thread(target=_relay, args=(launcher, folder, done, started, poll), daemon=True)
+    # In the caller's context (a Prefect run's: a deployment run the launcher starts is its sub-run).
+    relay = threading.Thread(
+        target=contextvars.copy_context().run, args=(_relay, launcher, folder, done, started, poll), daemon=True
+    )
     relay.start()
     try:
         yield {HANDOFF_ENV: str(folder)}

@@ -4,7 +4,9 @@ is the trainer's reason to stop, and one never picked up is cancelled, not left 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prefect import flow
@@ -15,6 +17,7 @@ from prefect.states import Completed, Failed
 from flywheel.flows.env_workers import DeployedWorkers
 from flywheel.flows.round_config import load_round_config
 from flywheel.training.grpo import GRPORunConfig
+from flywheel.training.worker_handoff import HandOff, relaying
 
 
 @flow(name="env-workers-stand-in")
@@ -68,6 +71,34 @@ def test_a_workers_run_that_completes_is_waited_for(api: None) -> None:
     _set(workers, Completed())
     workers.stop(timeout=5)
     assert workers.problem() is not None  # Over, whatever its state: no group can come from it.
+
+
+def test_a_launched_trainers_workers_are_a_sub_run_of_the_stage_that_launched_it(api: None, tmp_path: Path) -> None:
+    """The GPU path: the trainer is an `accelerate launch` child without Prefect; the stage's relay starts the
+    workers' deployment run with the URLs the trainer handed back, linked under the stage's own run, and
+    cancels it when the trainer is done (here it is never picked up)."""
+    with get_client(sync_client=True) as client:
+        flow_id = client.create_flow(_workers)
+        client.create_deployment(flow_id=flow_id, name="relay")
+    cfg = _config().model_copy(update={"env_workers_deployment": "env-workers-stand-in/relay"})
+    workers = DeployedWorkers(cfg, store_url=None, poll=0)
+
+    @flow(name="rl-stage-stand-in")
+    def stage() -> str:
+        with relaying(workers, tmp_path, poll=0.05):
+            HandOff(tmp_path).start("http://trainer:1", "http://trainer:2")  # What the launched trainer writes.
+            for _ in range(200):
+                if workers.flow_run is not None:
+                    break
+                time.sleep(0.05)
+        return str(workers.flow_run.id)
+
+    with get_client(sync_client=True) as client:
+        sub_run = client.read_flow_run(stage())
+        assert sub_run.parameters["params"]["policy_url"] == "http://trainer:2"
+        assert sub_run.parent_task_run_id is not None  # A sub-run of the stage's flow run.
+        assert client.read_task_run(sub_run.parent_task_run_id).flow_run_id is not None
+        assert sub_run.state.type.value in ("CANCELLING", "CANCELLED")
 
 
 def test_env_workers_deployment_needs_atropos_mode() -> None:
