@@ -7,7 +7,7 @@ It is atroposlib's own serve loop (`env_manager`: register with `run-api`, keep 
 to `max_batches_offpolicy` batches, post scored groups); only the group is made here: `group_size`
 rollouts through the env's agent loop with `PolicyServer` generating on the trainer's endpoint, so
 a group carries the token ids the policy sampled (as in-process GRPO trains on), their sampling
-log-probs when the endpoint gave every one (vLLM), and in `group_overrides` the oldest policy
+log-probs when the endpoint gives them (vLLM), and in `group_overrides` the oldest policy
 version among its replies and the env's name. A group with an
 infra failure is dropped whole: `run-api` packs batches from equal-sized groups, and a short one
 would be merged with another item's rollouts.
@@ -48,13 +48,14 @@ def scored_group(env: HermesAgentBaseEnv, item: dict[str, Any], outcomes: list[O
         )
         group["tokens"].append(prompt + completion)
         group["masks"].append([-100] * len(prompt) + [t if m else -100 for t, m in zip(completion, mask, strict=True)])
-        logprobs.append([1.0] * len(prompt) + [lp if m else 1.0 for lp, m in zip(sampled_logprobs, mask, strict=True)])
+        known = [lp if m and math.isfinite(lp) else 1.0 for lp, m in zip(sampled_logprobs, mask, strict=True)]
+        logprobs.append([1.0] * len(prompt) + known)
         group["scores"].append(float(reward or 0.0))
         group["overrides"].append({"task_completed": result.task_completed, "retokenized": not exact})
         group["messages"].append([{"role": m["role"], "content": str(m.get("content") or "")} for m in result.messages])
         versions += trajectory.versions
-    if all(math.isfinite(lp) for sequence in logprobs for lp in sequence):  # vLLM's; NaN does not go over JSON.
-        group["inference_logprobs"] = logprobs  # Atroposlib's layout: 1.0 where the mask trains nothing.
+    if any(lp <= 0 for sequence in logprobs for lp in sequence):  # The endpoint gave some (vLLM).
+        group["inference_logprobs"] = logprobs  # Atroposlib's layout; 1.0 (not NaN: JSON) where none is known.
     group["group_overrides"] = {
         "policy_version": min(versions) if versions else None,
         "env": env.name,

@@ -191,6 +191,10 @@ def grpo_kwargs(cfg: GRPORunConfig, output_dir: str) -> dict[str, Any]:
     }
     if cfg.vllm():
         args.update(use_vllm=True, vllm_mode=cfg.vllm_mode)
+        if cfg.rl_mode == "atropos":
+            # A group up to max_async_level steps old and thousands of tokens long: TRL's default sequence-level
+            # mask would drop it whole for a drift that per-token truncation (TIS) corrects.
+            args["vllm_importance_sampling_mode"] = "token_truncate"
     return args
 
 

@@ -28,6 +28,7 @@ import asyncio
 import logging
 import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +45,12 @@ class PolicyEndpoint:
     """The policy's generator (a copy, or the trainer's vLLM engine) over HTTP on a thread of its own; a
     context manager."""
 
-    def __init__(self, server: PolicyServer, vocab_size: int, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, server: PolicyServer, vocab_size: int, host: str = "127.0.0.1", max_prompt_len: int | None = None
+    ) -> None:
         self.server = server
         self.vocab_size = vocab_size
+        self.max_prompt_len = max_prompt_len  # vLLM fails a whole batch for one prompt over its context.
         self.version = 0
         self.served = 0
         self.host = host
@@ -54,6 +58,8 @@ class PolicyEndpoint:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
+        self._trainer: Any = None  # On vLLM: the trainer whose weight loads this endpoint follows.
+        self._load: Any = None
 
     @classmethod
     def generation_copy(
@@ -73,21 +79,29 @@ class PolicyEndpoint:
         """The vLLM engine of a TRL trainer (`use_vllm`, colocated), kept up by TRL's own weight sync."""
         server = PolicyServer.of_trainer(trainer, max_new_tokens)
         vocab_size = int(trainer.accelerator.unwrap_model(trainer.model).config.vocab_size)
-        endpoint = cls(server, vocab_size, host)
         generation = trainer.vllm_generation
-        load = generation.sync_weights
-
-        def sync_weights() -> None:  # TRL calls it from the training loop while the endpoint generates.
-            with server.paused():
-                load()
-                endpoint.version = trainer.state.global_step
-
-        generation.sync_weights = sync_weights
+        context = int(generation.llm.llm_engine.model_config.max_model_len)
+        endpoint = cls(server, vocab_size, host, max_prompt_len=context - 1)
+        endpoint._trainer, endpoint._load = trainer, generation.sync_weights
+        generation.sync_weights = endpoint.load_into_engine  # TRL calls it from the training loop.
         return endpoint
+
+    def load_into_engine(self) -> None:
+        """TRL's weight load into its engine (`sync_weights`, before each step's generation), made to wait for
+        the batch in flight, with the trainer's step as the version."""
+        import torch
+
+        with self.server.paused():
+            self._load()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # Loaded before the next batch, on whatever stream it runs.
+            self.version = self._trainer.state.global_step
 
     def __enter__(self) -> PolicyEndpoint:
         """Serve (until `close`): the server runs on an event loop of its own thread."""
         self._loop = asyncio.new_event_loop()
+        # A request to vLLM waits in a thread for its batch: room for every rollout the workers have in flight.
+        self._loop.set_default_executor(ThreadPoolExecutor(max_workers=256, thread_name_prefix="policy-endpoint"))
         self._thread = threading.Thread(target=self._loop.run_forever, name="policy-endpoint", daemon=True)
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=60)
@@ -155,6 +169,9 @@ class PolicyEndpoint:
             # One bad id would fail the generation step every request in flight shares.
             return web.json_response({"error": "bad request: empty prompt, an id outside the vocabulary, "
                                       "max_tokens < 1 or a negative temperature"}, status=400)  # fmt: skip
+        if self.max_prompt_len is not None and len(prompt_ids) > self.max_prompt_len:
+            return web.json_response({"error": f"bad request: a prompt of {len(prompt_ids)} tokens, over the "
+                                      f"engine's {self.max_prompt_len}"}, status=400)  # fmt: skip
         new, logprobs = await self.server.generate(prompt_ids, temperature, max_new, seed)
         self.served += 1
         if logprobs is not None:  # JSON has no NaN: an unknown log-prob travels as null.

@@ -170,6 +170,8 @@ class PolicyServer:
         self.prefix_sharing = prefix_sharing  # Off where the weights change under running generation loops.
         self.servers: list[Any] = []  # atroposlib's `ServerManager` surface (an env's serve loop reads it): none.
         self._model_lock = threading.Lock()  # One vLLM generate at a time.
+        self._turnstile = threading.Lock()  # Held by a weight load waiting for the engine: no new batch starts.
+        self._closed = False
         self._queue_lock = threading.Lock()
         self._queue: list[_Request] = []
         self._managers: dict[float, Any] = {}  # Temperature -> continuous-batching manager.
@@ -197,7 +199,12 @@ class PolicyServer:
         self.close()
 
     def close(self) -> None:
-        """Stop the generation threads and restore the model's train/eval mode."""
+        """Stop the generation threads (on vLLM: the batch in flight finishes, requests still waiting fail) and
+        restore the model's train/eval mode."""
+        with self._queue_lock:
+            self._closed = True
+        with self._model_lock:
+            pass
         managers, self._managers = list(self._managers.values()), {}
         for manager in managers:
             manager.stop(block=True)
@@ -222,6 +229,7 @@ class PolicyServer:
         """Every running generation loop parked, its requests and cache kept (on vLLM: the batch in flight
         done, the next one waiting): the weights may change in place."""
         with contextlib.ExitStack() as stack:
+            stack.enter_context(self._turnstile)
             stack.enter_context(self._model_lock)
             for manager in list(self._managers.values()):
                 if manager.is_running():
@@ -366,13 +374,22 @@ class PolicyServer:
 
     def _generate_on_vllm(self, request: _Request) -> list[int]:
         _bind_thread_to(self.device)
+        with self._turnstile:  # Behind a weight load already waiting for the engine (a lock is not fair).
+            pass
         with self._queue_lock:
+            if self._closed:
+                raise RuntimeError("the policy server is closed")
             self._queue.append(request)
         with self._model_lock:
             if request.new is None and request.error is None:  # Not served yet: serve every request waiting.
                 with self._queue_lock:
                     waiting, self._queue = self._queue, []
-                self._serve_on_vllm(waiting)
+                    closed = self._closed
+                if closed:
+                    for one in waiting:
+                        one.error = RuntimeError("the policy server is closed")
+                else:
+                    self._serve_on_vllm(waiting)
         if request.error is not None:
             raise request.error
         return request.new or []

@@ -7,8 +7,9 @@ they mark, with finite scores and the policy version it was sampled with; a grou
 `max_async_level` steps is refused (dropped: a bounded age keeps the step close to on-policy, as
 prime-rl's async level does). A younger group is trained as sampled: on CPU without correction
 (in-process generation gives no sampling log-probs), on vLLM with TRL's importance-sampling
-correction against the log-probs the group carries (`inference_logprobs`), which covers its age
-as well as the engine's numerics. Every refusal is counted by reason and logged with the step's metrics.
+correction against the log-probs the group carries (`inference_logprobs`; 1.0, atroposlib's filler,
+where a token's is unknown), per token and truncated (TIS), which covers its age as well as the
+engine's numerics. Every refusal is counted by reason and logged with the step's metrics.
 """
 
 from __future__ import annotations
@@ -86,12 +87,12 @@ def group_problem(group: Any, group_size: int, vocab_size: int) -> str | None:
         and len(logprobs) == group_size
         and all(isinstance(lps, list) and len(lps) == len(ids) for lps, ids in zip(logprobs, tokens, strict=True))
         and all(
-            not isinstance(lp, bool) and isinstance(lp, int | float) and (m == -100 or -math.inf < lp <= 0)
+            not isinstance(lp, bool) and isinstance(lp, int | float) and (m == -100 or -math.inf < lp <= 0 or lp == 1)
             for lps, mask in zip(logprobs, masks, strict=True)
             for lp, m in zip(lps, mask, strict=True)
         )
     ):
-        return "sampling log-probs that are not one log-prob (<= 0) a trained token"
+        return "sampling log-probs that are not one per token, each <= 0 (or 1.0: unknown) where the mask trains"
     overrides = group.get("overrides")
     if overrides is not None and not (
         isinstance(overrides, list) and len(overrides) == group_size and all(isinstance(o, dict) for o in overrides)
@@ -203,7 +204,8 @@ def atropos_rollout_func(queue: GroupQueue, group_size: int, max_completion_leng
                 out["prompt_ids"].append(ids[:start])
                 out["completion_ids"].append(ids[start:][:max_completion_length])
                 completion = len(out["completion_ids"][-1])
-                out["logprobs"].append(sampled[start:][:max_completion_length] if sampled else [math.nan] * completion)
+                known = sampled[start:][:max_completion_length] if sampled else [1.0] * completion
+                out["logprobs"].append([math.nan if lp > 0 else lp for lp in known])  # 1.0: unknown.
                 out["env_mask"].append([int(m != -100) for m in mask[start:][:max_completion_length]])
                 out["env_reward"].append(float(score))
                 completed = (extra or {}).get("task_completed")  # None: the env did not say; full reward counts.

@@ -78,9 +78,12 @@ def relaying(launcher: WorkerLauncher | None, folder: Path, poll: float = 1.0) -
         yield {HANDOFF_ENV: str(folder)}
     finally:
         done.set()
-        relay.join()
+        relay.join(timeout=120)  # A start still under way when the trainer ended: stop it anyway.
         if started.is_set():
-            launcher.stop()
+            try:
+                launcher.stop()
+            except Exception:  # The trainer's outcome stands; the workers' run is left to its own end.
+                logger.exception("the env workers could not be stopped")
 
 
 def _relay(
@@ -88,18 +91,25 @@ def _relay(
 ) -> None:
     """Start the workers once the trainer serves; pass their problem (or a failure to start them) back."""
     while not done.wait(poll):
-        try:
-            if not started.is_set():
-                if (folder / URLS_FILE).exists():
-                    urls = json.loads((folder / URLS_FILE).read_text())
-                    started.set()  # Stopped at the end even if starting fails half-way.
-                    launcher.start(urls["api"], urls["policy"])
-            elif not (folder / PROBLEM_FILE).exists() and (problem := launcher.problem()):
+        if not started.is_set():
+            if not (folder / URLS_FILE).exists():
+                continue
+            urls = json.loads((folder / URLS_FILE).read_text())
+            started.set()  # Stopped at the end even if starting fails half-way.
+            try:
+                launcher.start(urls["api"], urls["policy"])
+            except Exception as error:  # The trainer fails with it instead of waiting for groups that cannot come.
+                logger.exception("the env workers could not be started")
+                _write(folder / PROBLEM_FILE, f"the env workers could not be started: {error!r}")
+                return
+        elif not (folder / PROBLEM_FILE).exists():
+            try:
+                problem = launcher.problem()
+            except Exception:  # Asking failed (the orchestrator's API, say): ask again next time.
+                logger.warning("could not ask the env workers' launcher for a problem", exc_info=True)
+                continue
+            if problem:
                 _write(folder / PROBLEM_FILE, problem)
-        except Exception as error:  # The trainer fails with it instead of waiting for groups that cannot come.
-            logger.exception("the env workers could not be started")
-            _write(folder / PROBLEM_FILE, f"the env workers could not be started: {error!r}")
-            return
 
 
 def _write(path: Path, text: str) -> None:

@@ -136,6 +136,20 @@ def test_atropos_mode_on_h100_trains_on_one_gpu_behind_the_trainers_vllm_engine(
     assert cpu["stages"]["rl"]["generation"].endswith("a transformers copy of the weights")
 
 
+def test_the_atropos_rl_stage_launches_one_process_and_keeps_its_workers_launcher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the stage runs, as the plan says: one process, and the deployment launcher stays with the stage
+    (the launched trainer, without Prefect, hands its workers back)."""
+    launched: list[tuple[int, Any]] = []
+    monkeypatch.setattr(work, "launch", lambda cfg, store, gpus, env_workers=None: launched.append((gpus, env_workers)))
+    overrides = ["rl.rl_mode=atropos", "rl.env_workers_deployment=env-workers/atropos"]
+    config = load_round_config("h100", overrides=overrides)
+    work.rl(work.RLParams(store_url=str(tmp_path), config=config, policy="checkpoint/sft-r1"))
+    ((gpus, workers),) = launched
+    assert gpus == 1 and workers.cfg.env_workers_deployment == "env-workers/atropos"
+
+
 def _option(command: list[str], name: str) -> str:
     return command[command.index(name) + 1]
 

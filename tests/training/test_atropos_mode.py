@@ -141,6 +141,46 @@ def test_the_endpoint_serves_the_synced_weights_with_their_version(tiny_model: P
             refused = httpx.post(f"{endpoint.url}/generate", json=bad)
             assert refused.status_code == 400 and "bad request" in refused.json()["error"]
         assert asyncio.run(twice())[0] == after  # The generation loop still serves.
+        endpoint.max_prompt_len = 3  # As an engine with a 4-token context: no room for one more.
+        refused = httpx.post(f"{endpoint.url}/generate", json={"prompt_ids": [1, 2, 3, 4], "max_tokens": 4,
+                                                               "temperature": 1, "seed": 1})  # fmt: skip
+        assert refused.status_code == 400 and "a prompt of 4 tokens, over the engine's 3" in refused.json()["error"]
+
+
+def test_a_groups_log_probs_travel_with_unknown_ones_as_filler() -> None:
+    """A rollout whose reply log-probs the engine gave and one it did not (NaN) share a group: the known
+    ones reach the trainer, the unknown ones come back as NaN (no correction), never as a number."""
+    import math
+    from types import SimpleNamespace
+
+    from flywheel.training.env_worker import scored_group
+    from flywheel.training.rollouts import Trajectory
+    from flywheel.training.trajectory_api import atropos_rollout_func
+
+    env = SimpleNamespace(name="tool_use_chain", tokenizer=SimpleNamespace(eos_token_id=0))
+    result = SimpleNamespace(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                             task_completed=True)  # fmt: skip
+    outcomes = [
+        (result, 1.0, Trajectory(prompt_ids=[5, 6], completion_ids=[7, 8], mask=[1, 1], logprobs=[-0.5, -0.25],
+                                 turns=1, versions=[3])),
+        (result, 0.0, Trajectory(prompt_ids=[5, 6], completion_ids=[9, 10], mask=[1, 1],
+                                 logprobs=[math.nan, -0.75], turns=1, versions=[2])),
+    ]  # fmt: skip
+    group = scored_group(env, {"item_id": "i"}, outcomes, limit=16)  # type: ignore[arg-type]
+    assert group["inference_logprobs"] == [[1.0, 1.0, -0.5, -0.25], [1.0, 1.0, 1.0, -0.75]]
+    assert group["group_overrides"]["policy_version"] == 2 and group_problem(group, 2, 1000) is None
+    queue = SimpleNamespace(take=lambda count, step: [group])
+    for use_vllm in (True, False):
+        trainer = SimpleNamespace(state=SimpleNamespace(global_step=3), use_vllm=use_vllm)
+        out = atropos_rollout_func(queue, 2, 16)([None, None], trainer)  # type: ignore[arg-type]
+        if not use_vllm:
+            assert out["logprobs"] is None  # TRL corrects on vLLM only.
+            continue
+        first, second = out["logprobs"]
+        assert first == [-0.5, -0.25] and math.isnan(second[0]) and second[1] == -0.75
+    unknown = [(r, s, Trajectory(prompt_ids=t.prompt_ids, completion_ids=t.completion_ids, mask=t.mask,
+                                 logprobs=[math.nan] * 2, turns=1, versions=[2])) for r, s, t in outcomes]  # fmt: skip
+    assert "inference_logprobs" not in scored_group(env, {"item_id": "i"}, unknown, limit=16)  # type: ignore[arg-type]
 
 
 _RUN = """
@@ -318,21 +358,27 @@ def test_the_hand_off_passes_back_why_the_workers_cannot_run(tmp_path: Path) -> 
                     break
                 time.sleep(0.05)
             assert trainer_side.problem() == expected
-        assert launcher.stopped  # Stopped when the trainer exits, started or not.
+        assert launcher.stopped  # Stopped when the trainer exits, started or not (its failure only logged).
 
 
 class _Failing:
-    """Workers that started, then lost their pool."""
+    """Workers that started, then lost their pool; the first question about them fails (an API hiccup),
+    and so does stopping them."""
 
     def __init__(self) -> None:
         self.started: tuple[str, str] | None = None
+        self.asked = 0
         self.stopped = False
 
     def start(self, api_url: str, policy_url: str) -> None:
         self.started = (api_url, policy_url)
 
     def problem(self) -> str | None:
+        self.asked += 1
+        if self.asked == 1:
+            raise ConnectionError("the orchestrator did not answer")
         return "the workers' pool is gone" if self.started == ("http://api", "http://policy") else None
 
     def stop(self) -> None:
         self.stopped = True
+        raise ConnectionError("the orchestrator did not answer")

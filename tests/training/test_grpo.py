@@ -505,6 +505,53 @@ def test_vllm_generates_on_the_ranks_own_device_from_its_worker_thread(tiny_mode
     assert bound == [(False, "cuda:3")]
 
 
+def test_a_weight_load_waits_for_the_vllm_batch_in_flight_and_goes_before_the_next(tiny_model: Path) -> None:
+    """The atropos endpoint's engine: a load (`paused`) waits for the batch being generated, and a request
+    that arrives while the load waits is generated after it, on the new weights; once the server is closed
+    a request fails instead of reaching the engine."""
+    import threading
+    import time
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    in_batch, release, order = threading.Event(), threading.Event(), []
+
+    class Engine:
+        def generate(self, prompts, images, n):  # type: ignore[no-untyped-def]
+            order.append(f"batch {prompts}")
+            in_batch.set()
+            release.wait(30)
+            return prompts, [[tokenizer.eos_token_id]] * len(prompts), [[[-0.25]]] * len(prompts), None
+
+    server = PolicyServer(lambda: None, tokenizer, top_k=0, max_new_tokens=4, vllm=Engine())
+
+    def ask(ids: list[int]) -> threading.Thread:
+        thread = threading.Thread(target=lambda: asyncio.run(server.generate(ids, 1.0, 4, 0)))
+        thread.start()
+        return thread
+
+    def load() -> None:
+        with server.paused():
+            order.append("load")
+
+    first = ask([1])
+    assert in_batch.wait(30)
+    loading = threading.Thread(target=load)
+    loading.start()
+    while not server._turnstile.locked():  # The load is waiting for the engine.
+        time.sleep(0.01)
+    second = ask([2])
+    release.set()
+    for thread in (first, loading, second):
+        thread.join(30)
+    assert order == ["batch [[1]]", "load", "batch [[2]]"]
+    server.close()
+    with pytest.raises(RuntimeError, match="the policy server is closed"):
+        asyncio.run(server.generate([3], 1.0, 4, 0))
+    assert order[-1] == "batch [[2]]"
+
+
 def test_seeded_sampling_draws_from_the_warped_softmax() -> None:
     """Gumbel-max on the seeded noise is a sample of the softmax: over many seeds each token comes up as
     often as its probability (a broken hash, or noise shared between tokens, would skew this)."""

@@ -112,7 +112,7 @@ ATROPOS_RUN = textwrap.dedent(
     from flywheel.training import atropos_mode
     from flywheel.training.grpo import GRPORunConfig, run_grpo
 
-    trained, make = [], atropos_mode.atropos_rollout_func
+    trained, versions, make = [], [], atropos_mode.atropos_rollout_func
 
     def recording(*args, **kwargs):  # What the trainer took from run-api, as TRL gets it.
         rollout = make(*args, **kwargs)
@@ -120,6 +120,8 @@ ATROPOS_RUN = textwrap.dedent(
         def record(prompts, trainer):
             out = rollout(prompts, trainer)
             trained.append({k: out[k] for k in ("prompt_ids", "completion_ids", "env_mask", "logprobs")})
+            endpoint = trainer.vllm_generation.sync_weights.__self__  # TRL's load, made the endpoint's.
+            versions.append([trainer.state.global_step, endpoint.version])
             return out
 
         return record
@@ -128,7 +130,7 @@ ATROPOS_RUN = textwrap.dedent(
     manifest = run_grpo(GRPORunConfig.model_validate_json(sys.argv[1]), ArtifactStore(sys.argv[2]))
     (engine,) = vllm.ENGINES
     result = {"trained": trained, "generated": vllm.GENERATED, "loaded": engine.runner.loaded,
-              "resets": engine.prefix_resets, "metrics": manifest.metrics}
+              "resets": engine.prefix_resets, "metrics": manifest.metrics, "versions": versions}
     Path(sys.argv[3]).write_text(json.dumps(result))
     """
 )
@@ -176,4 +178,5 @@ def test_atropos_mode_serves_the_trainers_vllm_engine_and_corrects_with_its_log_
     steps = [m for m in map(json.loads, next((tmp_path / "logs").glob("run-*/metrics.jsonl")).open()) if "reward" in m]
     assert steps[0]["sampling/sampling_logp_difference/max"] < 1e-4  # Version-0 groups, version-0 weights.
     assert all("sampling/importance_sampling_ratio/mean" in m for m in steps)
-    assert result["loaded"] > 0 and result["resets"] == 2  # TRL's load before each step's generation.
+    assert result["loaded"] > 0 and result["resets"] == 2  # TRL's load before each step's generation,
+    assert result["versions"] == [[0, 0], [1, 1]]  # which stamps the step's version on the endpoint.
