@@ -49,7 +49,8 @@ def env_workers(params: EnvWorkersParams) -> dict[str, Any]:
 
 
 class DeployedWorkers:
-    """The trainer's side (`training.worker_handoff.WorkerLauncher`): a run of `cfg.env_workers_deployment`,
+    """The RL stage's launcher (`training.worker_handoff.WorkerLauncher`; called by the trainer, or by the stage
+    for a launched trainer): a run of `cfg.env_workers_deployment`,
     its state read for `problem`, waited for (it ends with the endpoint) or cancelled by `stop`."""
 
     def __init__(self, cfg: GRPORunConfig, store_url: str | None, poll: float = 5.0) -> None:

@@ -44,7 +44,7 @@ def round_plan(config: RoundConfig, profile: str | None = None) -> dict[str, Any
         ("sft", sft, sft_kwargs(sft, RUN_DIR), "trl.SFTTrainer"),
         ("rl", rl, grpo_kwargs(rl, RUN_DIR), "trl.GRPOTrainer"),
     ):
-        gpus = p.training_gpus(getattr(cfg, "rl_mode", None))
+        gpus = p.training_gpus(cfg)
         stages[name] |= {
             "trainer": trainer,
             "dtype": settings.model_kwargs()["dtype"],
@@ -55,7 +55,7 @@ def round_plan(config: RoundConfig, profile: str | None = None) -> dict[str, Any
         }
         if p.device == "cuda":
             stages[name]["gpus"] = gpus
-        if p.nodes > 1:
+        if p.nodes > 1 and not p.trains_alone(cfg):
             stages[name]["machines"] = _machines(name, cfg, p)
     stages["rl"]["generation"] = f"vllm {rl.vllm_mode}" if rl.vllm() else "in-process (transformers generate)"
     if rl.rl_mode == "atropos":
@@ -114,7 +114,7 @@ def _machines(name: str, cfg: Any, p: RoundConfig) -> dict[str, Any]:
     """A training stage across `p.nodes` machines: each one's launch, and the Kubernetes objects that run
     them (an Indexed Job, a pod per machine whose index is its machine rank, and the headless Service
     that gives pod 0 the address every launcher meets at)."""
-    job, config, gpus = f"flywheel-{name}", f"<{name} config>.yaml", p.training_gpus(getattr(cfg, "rl_mode", None))
+    job, config, gpus = f"flywheel-{name}", f"<{name} config>.yaml", p.training_gpus(cfg)
     lines = [launch_command(cfg, config, gpus, machines=Machines(p.nodes, rank, "<machine 0 address>"))
              for rank in range(p.nodes)]  # fmt: skip
     pod = launch_command(cfg, config, gpus, machines=Machines(p.nodes, 0, f"{job}-0.{job}"))

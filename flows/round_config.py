@@ -320,16 +320,22 @@ class RoundConfig(BaseModel):
         """The lm_eval stage's config: the `lm_eval` section on `backend`."""
         return LMEvalConfig(**self.lm_eval.model_dump(), backend=backend, name=name)
 
-    def training_gpus(self, rl_mode: str | None = None) -> int:
-        """GPUs a training stage runs on (on each machine): the round's, but one for atropos-mode GRPO (one
-        trainer process behind one policy endpoint)."""
-        return 1 if rl_mode == "atropos" else max(1, self.gpus)
+    @staticmethod
+    def trains_alone(section: Any) -> bool:
+        """Whether a training stage (its run config, or its fields) runs one process on one GPU of one machine
+        whatever the round's hardware: atropos-mode GRPO, one trainer behind one policy endpoint."""
+        rl_mode = section.get("rl_mode") if isinstance(section, dict) else getattr(section, "rl_mode", None)
+        return rl_mode == "atropos"
+
+    def training_gpus(self, section: Any) -> int:
+        """GPUs a training stage (its run config, or its fields) runs on, on each machine."""
+        return 1 if self.trains_alone(section) else max(1, self.gpus)
 
     def _on_hardware(self, fields: dict[str, Any], stage: str) -> dict[str, Any]:
         """A training section on the round's device; its sharding only where several GPUs share the work;
         on CUDA its micro-batch fitted to the GPU's memory."""
         fields["device"] = self.device
-        if self.training_gpus(fields.get("rl_mode")) <= 1:
+        if self.training_gpus(fields) <= 1:
             fields["deepspeed"], fields["fsdp"] = None, False
         elif fields["fsdp"]:
             fields["deepspeed"] = None
@@ -350,7 +356,7 @@ class RoundConfig(BaseModel):
     def memory_estimate(self, stage: str, fields: dict[str, Any], shape: ModelShape) -> dict[str, float]:
         """Bytes per GPU, by term, of the `sft` or `rl` stage run with these run-config fields on CUDA,
         for a model of `shape` (`training.memory.model_shape` of the round's model)."""
-        ranks = self.training_gpus(fields.get("rl_mode")) * self.nodes  # ZeRO shards over every GPU of every machine.
+        ranks = 1 if self.trains_alone(fields) else max(1, self.gpus) * self.nodes  # ZeRO shards over every GPU.
         common = {"gpus": ranks, "zero": fields["deepspeed"], "micro_batch": fields["batch_size"]}
         if stage == "sft":
             return training_memory(shape, **common, seq_len=fields["max_length"], logits=True)

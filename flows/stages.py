@@ -59,7 +59,8 @@ def stage_flow(name: str) -> Callable[[Callable[..., str]], Any]:
 
 @contextlib.contextmanager
 def gpu_slots(config: RoundConfig) -> Iterator[None]:
-    """Hold `config.gpus` slots of the `gpu` limit (a no-op where no such limit is configured).
+    """Hold `config.gpus` slots of the `gpu` limit (a no-op where no such limit is configured): the GPUs a
+    stage's job holds on its node, even where it uses fewer (atropos-mode GRPO trains on one).
 
     Whether the limit exists is read first: asking Prefect's slot service for a limit that does not
     exist cost ~2 s a GPU stage in a local round (py-spy, `benchmarks/orchestration_overhead.py`),

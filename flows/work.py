@@ -235,14 +235,14 @@ def rl(params: RLParams, callbacks: list[Any] | None = None) -> Manifest:
 def launched(cfg: TrainConfig, config: RoundConfig) -> bool:
     """Whether a training stage runs as an `accelerate launch` child: on several GPUs, and wherever GRPO
     generates with vLLM, which lives in the GPU runtime (requirements/gpu.txt), not in Prefect's environment."""
-    return config.gpus > 1 or config.nodes > 1 or (isinstance(cfg, GRPORunConfig) and cfg.vllm())
+    several = config.training_gpus(cfg) > 1 or (config.nodes > 1 and not config.trains_alone(cfg))
+    return several or (isinstance(cfg, GRPORunConfig) and cfg.vllm())
 
 
 def _train(cfg: TrainConfig, params: StageParams, callbacks: list[Any] | None, **extra: Any) -> Manifest:
     """Train here, or launched with accelerate (steps then show in the run log)."""
     if launched(cfg, params.config):
-        gpus = params.config.training_gpus(getattr(cfg, "rl_mode", None))
-        return launch(cfg, params.store(), gpus, env_workers=extra.get("env_workers"))
+        return launch(cfg, params.store(), params.config.training_gpus(cfg), env_workers=extra.get("env_workers"))
     return run_training(cfg, params.store(), callbacks=callbacks, **extra)
 
 

@@ -7,9 +7,9 @@
 The env workers (`env_worker`, at least one an env, over the envs in turn) generate while the
 trainer trains: a group sampled with weights at most `max_async_level` steps old is trained on, an
 older one refused (`trajectory_api`). The trainer registers with `run-api` once its weights are
-loaded, then starts the workers; the endpoint takes the trainer's weights after every optimizer
-step, and at the start of training (a resumed run's step-k weights are version k: its workers'
-first groups, made before that load, are refused as stale).
+loaded, then starts the workers; the endpoint takes the trainer's weights at the start of training
+and after every optimizer step (on vLLM: TRL's load before each step's generation). A resumed run's
+step-k weights are version k: its workers' first groups, made before that load, are refused as stale.
 """
 
 from __future__ import annotations
@@ -58,9 +58,10 @@ class AtroposMode:
         self, cfg: GRPORunConfig, model_dir: Path, tokenizer: Any, run: RunDir, launcher: WorkerLauncher | None = None
     ) -> None:
         """Nothing starts here (`running` starts the processes and the endpoint's server), so a failure
-        before training leaves nothing behind. With a `launcher` the workers run where it puts them and
-        only `run-api` is this process's child."""
-        require_isolation()
+        before training leaves nothing behind. With a `launcher` the workers run where it puts them (which
+        checks its own sandbox) and only `run-api` is this process's child."""
+        if launcher is None:
+            require_isolation()
         self.cfg = cfg
         self.launcher = launcher
         self.fleet = worker_fleet(cfg, model_dir, run.path / "envs", host=cfg.serve_host)
@@ -76,7 +77,7 @@ class AtroposMode:
         hint = f"; the env workers: {where}" + (
             "; drop_flat_groups is on: a policy whose groups all score alike sends none" if cfg.drop_flat_groups else ""
         )
-        vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
+        vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size  # Known before the vLLM endpoint exists.
         self.queue = GroupQueue(
             self.api, cfg.num_rollouts_per_task, cfg.max_async_level, vocab_size, hint=hint,
             progress=self.replies, problem=self.problem,
@@ -103,7 +104,7 @@ class AtroposMode:
 
     def callbacks(self, trainer_model: Any) -> list[TrainerCallback]:
         """Weight sync after each step and at the start (TRL's own on vLLM); the queue's counts in each step's log."""
-        syncs = [SyncPolicy(self.endpoint, trainer_model)] if self.endpoint is not None else []
+        syncs = [] if self.cfg.vllm() else [SyncPolicy(self.endpoint, trainer_model)]
         return [*syncs, QueueStats(self)]
 
     @contextlib.contextmanager

@@ -27,6 +27,7 @@ from flywheel.environments.hermes_base_env import HermesAgentBaseEnv
 from flywheel.training.grpo import GRPORunConfig, on_policy_tokenizer, policy_env
 from flywheel.training.policy_endpoint import RemotePolicy
 from flywheel.training.rollouts import Outcome, PolicyServer, Task, mix_seed, retokenized, run_rollouts, sampled
+from flywheel.training.trajectory_api import UNKNOWN_LOGPROB, logprobs_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +49,14 @@ def scored_group(env: HermesAgentBaseEnv, item: dict[str, Any], outcomes: list[O
         )
         group["tokens"].append(prompt + completion)
         group["masks"].append([-100] * len(prompt) + [t if m else -100 for t, m in zip(completion, mask, strict=True)])
-        known = [lp if m and math.isfinite(lp) else 1.0 for lp, m in zip(sampled_logprobs, mask, strict=True)]
-        logprobs.append([1.0] * len(prompt) + known)
+        known = [lp if m else math.nan for lp, m in zip(sampled_logprobs, mask, strict=True)]
+        logprobs.append(logprobs_to_json([math.nan] * len(prompt) + known))
         group["scores"].append(float(reward or 0.0))
         group["overrides"].append({"task_completed": result.task_completed, "retokenized": not exact})
         group["messages"].append([{"role": m["role"], "content": str(m.get("content") or "")} for m in result.messages])
         versions += trajectory.versions
-    if any(lp <= 0 for sequence in logprobs for lp in sequence):  # The endpoint gave some (vLLM).
-        group["inference_logprobs"] = logprobs  # Atroposlib's layout; 1.0 (not NaN: JSON) where none is known.
+    if any(lp != UNKNOWN_LOGPROB for sequence in logprobs for lp in sequence):  # The endpoint gave some (vLLM).
+        group["inference_logprobs"] = logprobs  # Atroposlib's layout: its filler where none is known.
     group["group_overrides"] = {
         "policy_version": min(versions) if versions else None,
         "env": env.name,

@@ -201,7 +201,7 @@ def grpo_kwargs(cfg: GRPORunConfig, output_dir: str) -> dict[str, Any]:
 def generation_problem(cfg: GRPORunConfig, num_processes: int) -> str | None:
     """Why this run's generation cannot work across `num_processes` ranks (None: it can)."""
     if num_processes > 1 and cfg.rl_mode == "atropos":
-        return "rl_mode=atropos trains in one process: its policy endpoint copies whole weights after each step"
+        return "rl_mode=atropos trains in one process, behind one policy endpoint: run it on one GPU"
     if num_processes > 1 and cfg.deepspeed in ("zero3", "zero3_offload") and not cfg.vllm():
         return (
             "in-process generation under ZeRO-3 on several GPUs hangs: every forward gathers the sharded weights "

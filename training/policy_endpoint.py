@@ -6,16 +6,17 @@
 - `generation_copy` (CPU): a second copy of the trainer's weights, so training never updates a tensor
   a forward pass is reading, served with `PolicyServer`'s continuous batching; `sync` loads the
   trainer's weights into it after every optimizer step, with the generation loops parked between
-  forward passes. Replies carry no sampling log-probs (seeded Gumbel-max sampling leaves none), as
+  forward passes. Replies carry `"logprobs": null` (seeded Gumbel-max sampling leaves none), as
   in-process CPU generation does: the trainer scores the old policy itself. Cached prompt pages are
   not shared between requests (they would hold keys and values of older weights for every later
   request with the same tool schemas).
 - `on_vllm` (CUDA): TRL's colocated vLLM engine (`use_vllm`, `vllm_mode: colocate`: the engine on the
   trainer's GPU, `vllm_gpu_memory_utilization` of its memory), concurrent requests batched onto it.
   TRL loads the trainer's weights into the engine before each step's generation; that load waits
-  for the batch in flight and sets the version. Replies carry vLLM's processed log-probs, which
-  travel with the group, so TRL's importance-sampling correction covers both the engine's numerics
-  and the group's age.
+  for the batch in flight, goes before the next and sets the version. Replies carry vLLM's processed
+  log-probs (`trajectory_api.UNKNOWN_LOGPROB` where one is unknown), which travel with the group,
+  so TRL's importance-sampling correction covers both the engine's numerics and the group's age.
+  A prompt longer than the engine's context is refused (vLLM would fail its whole batch).
 
 The version is the trainer's step whose weights are loaded. A reply reports the version loaded when
 its request arrived: one whose generation spans a load counts as made by the older weights, so a
@@ -26,8 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from aiohttp import web
 
 from flywheel.inference import reachable_host
 from flywheel.training.rollouts import PolicyServer
+from flywheel.training.trajectory_api import logprobs_from_json, logprobs_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +48,21 @@ class PolicyEndpoint:
     context manager."""
 
     def __init__(
-        self, server: PolicyServer, vocab_size: int, host: str = "127.0.0.1", max_prompt_len: int | None = None
+        self,
+        server: PolicyServer,
+        vocab_size: int,
+        host: str = "127.0.0.1",
+        max_prompt_len: int | None = None,
+        engine_load: Callable[[], None] | None = None,
+        step: Callable[[], int] = lambda: 0,
     ) -> None:
+        """`engine_load`: the trainer's own weight load into the engine `server` generates on (vLLM), which
+        `load_into_engine` wraps, stamping `step()` as the version; None: `sync` loads a copy."""
         self.server = server
         self.vocab_size = vocab_size
         self.max_prompt_len = max_prompt_len  # vLLM fails a whole batch for one prompt over its context.
+        self.engine_load = engine_load
+        self.step = step
         self.version = 0
         self.served = 0
         self.host = host
@@ -58,8 +70,6 @@ class PolicyEndpoint:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
-        self._trainer: Any = None  # On vLLM: the trainer whose weight loads this endpoint follows.
-        self._load: Any = None
 
     @classmethod
     def generation_copy(
@@ -77,25 +87,29 @@ class PolicyEndpoint:
     @classmethod
     def on_vllm(cls, trainer: Any, max_new_tokens: int, host: str = "127.0.0.1") -> PolicyEndpoint:
         """The vLLM engine of a TRL trainer (`use_vllm`, colocated), kept up by TRL's own weight sync."""
+        generation = trainer.vllm_generation
+        if generation.enable_sleep_mode:  # TRL's generate would then load weights itself, under the engine's lock.
+            raise ValueError("rl_mode=atropos keeps the engine awake while training: turn vLLM's sleep mode off")
         server = PolicyServer.of_trainer(trainer, max_new_tokens)
         vocab_size = int(trainer.accelerator.unwrap_model(trainer.model).config.vocab_size)
-        generation = trainer.vllm_generation
         context = int(generation.llm.llm_engine.model_config.max_model_len)
-        endpoint = cls(server, vocab_size, host, max_prompt_len=context - 1)
-        endpoint._trainer, endpoint._load = trainer, generation.sync_weights
+        endpoint = cls(server, vocab_size, host, max_prompt_len=context - 1, engine_load=generation.sync_weights,
+                       step=lambda: trainer.state.global_step)  # fmt: skip
         generation.sync_weights = endpoint.load_into_engine  # TRL calls it from the training loop.
         return endpoint
 
     def load_into_engine(self) -> None:
         """TRL's weight load into its engine (`sync_weights`, before each step's generation), made to wait for
-        the batch in flight, with the trainer's step as the version."""
+        the batch in flight and to go before the next, with the trainer's step as the version."""
         import torch
 
+        if self.engine_load is None:
+            raise TypeError("a generation copy is loaded by sync(model, version)")
         with self.server.paused():
-            self._load()
+            self.engine_load()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # Loaded before the next batch, on whatever stream it runs.
-            self.version = self._trainer.state.global_step
+            self.version = self.step()
 
     def __enter__(self) -> PolicyEndpoint:
         """Serve (until `close`): the server runs on an event loop of its own thread."""
@@ -113,6 +127,9 @@ class PolicyEndpoint:
     def sync(self, model: Any, version: int) -> None:
         """Load `model`'s weights into the generation copy; replies requested from now on are `version`'s."""
         import torch
+
+        if self.engine_load is not None:
+            raise TypeError("an engine endpoint follows the trainer's own weight load (load_into_engine)")
 
         generator = self.server.model()
         source = dict(model.named_parameters()) | dict(model.named_buffers())
@@ -174,8 +191,7 @@ class PolicyEndpoint:
                                       f"engine's {self.max_prompt_len}"}, status=400)  # fmt: skip
         new, logprobs = await self.server.generate(prompt_ids, temperature, max_new, seed)
         self.served += 1
-        if logprobs is not None:  # JSON has no NaN: an unknown log-prob travels as null.
-            logprobs = [None if math.isnan(lp) else lp for lp in logprobs]
+        logprobs = logprobs_to_json(logprobs) if logprobs is not None else None
         return web.json_response({"token_ids": new, "logprobs": logprobs, "version": version})
 
 
@@ -190,8 +206,8 @@ class RemotePolicy:
     async def generate(
         self, prompt_ids: list[int], temperature: float, max_new: int, seed: int
     ) -> tuple[list[int], list[float] | None, int]:
-        """The sampled ids of one reply, their sampling log-probs (None: the endpoint gives none; NaN: the
-        engine gave none for that token) and the version of the weights that sampled them."""
+        """The sampled ids of one reply, their sampling log-probs (None: the endpoint gives none; NaN: none for
+        that token) and the version of the weights that sampled them."""
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=self.timeout)
         body = {"prompt_ids": prompt_ids, "max_tokens": max_new, "temperature": temperature, "seed": seed}
@@ -200,8 +216,7 @@ class RemotePolicy:
                 raise RuntimeError(f"policy endpoint {self.url}: HTTP {response.status}: {await response.text()}")
             reply = await response.json()
         logprobs = reply.get("logprobs")
-        if logprobs is not None:
-            logprobs = [math.nan if lp is None else float(lp) for lp in logprobs]
+        logprobs = logprobs_from_json(logprobs) if logprobs is not None else None
         return [int(i) for i in reply["token_ids"]], logprobs, int(reply["version"])
 
     async def close(self) -> None:

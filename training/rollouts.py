@@ -304,12 +304,12 @@ class PolicyServer:
         """One reply's ids and, on vLLM, their sampling log-probs (NaN where the engine gave none); in-process
         sampled from `seed`'s stream, on vLLM from the engine's (its replies are not reproducible by seed)."""
         if self.vllm is None:
-            return await self.generate_paged(prompt_ids, temperature, max_new, seed), None
+            return await self._generate_paged(prompt_ids, temperature, max_new, seed), None
         request = _Request(prompt_ids, temperature, max_new)
         new = await asyncio.to_thread(self._generate_on_vllm, request)
         return new, request.logprobs
 
-    async def generate_paged(self, prompt_ids: list[int], temperature: float, max_new: int, seed: int) -> list[int]:
+    async def _generate_paged(self, prompt_ids: list[int], temperature: float, max_new: int, seed: int) -> list[int]:
         """One reply from the continuous-batching manager, ending at its first end-of-sequence token; sampled
         from `seed`'s stream (see `SeededSampling`)."""
         manager = self._manager(temperature)
@@ -395,7 +395,8 @@ class PolicyServer:
         return request.new or []
 
     def _serve_on_vllm(self, requests: list[_Request]) -> None:
-        """Generate every request, one batch per temperature."""
+        """Generate every request, one batch per temperature asked for (each sampled at the trainer's: TRL's
+        engine takes its sampling settings from its own args)."""
         for temperature in sorted({r.temperature for r in requests}):
             batch = [r for r in requests if r.temperature == temperature]
             try:

@@ -28,6 +28,18 @@ from flywheel.inference.server import wait_for_http
 
 logger = logging.getLogger(__name__)
 
+UNKNOWN_LOGPROB = 1.0  # Atroposlib's filler where no log-prob applies (none is > 0); JSON has no NaN.
+
+
+def logprobs_to_json(logprobs: list[float]) -> list[float]:
+    """Sampling log-probs for JSON: an unknown one (NaN) as the filler."""
+    return [UNKNOWN_LOGPROB if math.isnan(lp) else lp for lp in logprobs]
+
+
+def logprobs_from_json(values: list[float]) -> list[float]:
+    """Sampling log-probs from JSON: the filler back to NaN (no correction for that token)."""
+    return [math.nan if lp == UNKNOWN_LOGPROB else float(lp) for lp in values]
+
 
 class RunApi:
     """The calls a trainer makes to atroposlib's `run-api`."""
@@ -87,12 +99,14 @@ def group_problem(group: Any, group_size: int, vocab_size: int) -> str | None:
         and len(logprobs) == group_size
         and all(isinstance(lps, list) and len(lps) == len(ids) for lps, ids in zip(logprobs, tokens, strict=True))
         and all(
-            not isinstance(lp, bool) and isinstance(lp, int | float) and (m == -100 or -math.inf < lp <= 0 or lp == 1)
+            not isinstance(lp, bool)
+            and isinstance(lp, int | float)
+            and (m == -100 or -math.inf < lp <= 0 or lp == UNKNOWN_LOGPROB)
             for lps, mask in zip(logprobs, masks, strict=True)
             for lp, m in zip(lps, mask, strict=True)
         )
     ):
-        return "sampling log-probs that are not one per token, each <= 0 (or 1.0: unknown) where the mask trains"
+        return f"sampling log-probs that are not one per token, <= 0 (or {UNKNOWN_LOGPROB}) where the mask trains"
     overrides = group.get("overrides")
     if overrides is not None and not (
         isinstance(overrides, list) and len(overrides) == group_size and all(isinstance(o, dict) for o in overrides)
@@ -193,7 +207,9 @@ def atropos_rollout_func(queue: GroupQueue, group_size: int, max_completion_leng
 
     def rollout(prompts: list[Any], trainer: Any) -> dict[str, list[Any] | None]:
         groups = queue.take(len(prompts) // group_size, trainer.state.global_step)
-        out: dict[str, Any] = {k: [] for k in ("prompt_ids", "completion_ids", "env_mask", "env_reward", "logprobs")}
+        out: dict[str, Any] = {k: [] for k in ("prompt_ids", "completion_ids", "env_mask", "env_reward")}
+        corrects = getattr(trainer, "use_vllm", False)  # TRL corrects with them on vLLM only.
+        out["logprobs"] = [] if corrects else None  # On CPU the trainer scores the old policy itself.
         out |= {"task_completed": [], "env": [], "retokenized": []}
         for group in groups:
             overrides = group.get("overrides") or [{}] * group_size
@@ -203,17 +219,16 @@ def atropos_rollout_func(queue: GroupQueue, group_size: int, max_completion_leng
                 start = next(i for i, m in enumerate(mask) if m != -100)
                 out["prompt_ids"].append(ids[:start])
                 out["completion_ids"].append(ids[start:][:max_completion_length])
-                completion = len(out["completion_ids"][-1])
-                known = sampled[start:][:max_completion_length] if sampled else [1.0] * completion
-                out["logprobs"].append([math.nan if lp > 0 else lp for lp in known])  # 1.0: unknown.
+                if corrects:
+                    known = sampled[start:][:max_completion_length] if sampled else None
+                    unknown = [math.nan] * len(out["completion_ids"][-1])
+                    out["logprobs"].append(logprobs_from_json(known) if known is not None else unknown)
                 out["env_mask"].append([int(m != -100) for m in mask[start:][:max_completion_length]])
                 out["env_reward"].append(float(score))
                 completed = (extra or {}).get("task_completed")  # None: the env did not say; full reward counts.
                 out["task_completed"].append(bool(completed) if completed is not None else score >= 1.0)
                 out["env"].append(group["group_overrides"].get("env", "env"))
                 out["retokenized"].append(bool((extra or {}).get("retokenized")))
-        if not getattr(trainer, "use_vllm", False):
-            out["logprobs"] = None  # TRL corrects with them on vLLM only; on CPU it scores the old policy itself.
         return out
 
     return rollout

@@ -134,6 +134,9 @@ def test_atropos_mode_on_h100_trains_on_one_gpu_behind_the_trainers_vllm_engine(
     assert rl["memory"]["fits"]
     cpu = round_plan(load_round_config("default", overrides=["rl.rl_mode=atropos"]), "default")
     assert cpu["stages"]["rl"]["generation"].endswith("a transformers copy of the weights")
+    two = round_plan(load_round_config("h100", overrides=["rl.rl_mode=atropos", "nodes=2"]), "h100")["stages"]
+    assert "machines" in two["sft"] and "machines" not in two["rl"]  # One machine, whatever the round's.
+    assert two["rl"]["launch"][:5] == [*accelerate_cli(), "--num_processes", "1"]
 
 
 def test_the_atropos_rl_stage_launches_one_process_and_keeps_its_workers_launcher(

@@ -141,10 +141,35 @@ def test_the_endpoint_serves_the_synced_weights_with_their_version(tiny_model: P
             refused = httpx.post(f"{endpoint.url}/generate", json=bad)
             assert refused.status_code == 400 and "bad request" in refused.json()["error"]
         assert asyncio.run(twice())[0] == after  # The generation loop still serves.
+        with pytest.raises(TypeError, match="loaded by sync"):
+            endpoint.load_into_engine()  # A copy has no engine load to follow.
         endpoint.max_prompt_len = 3  # As an engine with a 4-token context: no room for one more.
         refused = httpx.post(f"{endpoint.url}/generate", json={"prompt_ids": [1, 2, 3, 4], "max_tokens": 4,
                                                                "temperature": 1, "seed": 1})  # fmt: skip
         assert refused.status_code == 400 and "a prompt of 4 tokens, over the engine's 3" in refused.json()["error"]
+
+
+def test_the_trainer_checks_the_sandbox_only_where_its_workers_run(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without isolation an agent's commands would reach run-api: refused where the trainer starts the workers,
+    left to the launcher's side (which checks its own machine) where they run elsewhere; and vLLM's sleep mode,
+    which loads weights inside generation, is refused for the endpoint's engine."""
+    from types import SimpleNamespace
+
+    from flywheel.training import atropos_mode
+    from flywheel.training.run_logs import RunDir
+
+    monkeypatch.setattr(atropos_mode, "isolation_available", lambda: False)
+    cfg = GRPORunConfig(rl_mode="atropos", logs_root=str(tmp_path), num_rollouts_per_task=2, batch_size=2)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    with pytest.raises(ValueError, match="needs the sandbox's isolation"):
+        atropos_mode.AtroposMode(cfg, tiny_model, tokenizer, RunDir(tmp_path, "here"))
+    elsewhere = atropos_mode.AtroposMode(cfg, tiny_model, tokenizer, RunDir(tmp_path, "there"), launcher=_Failing())
+    assert elsewhere.fleet.workers == 0
+    asleep = SimpleNamespace(vllm_generation=SimpleNamespace(enable_sleep_mode=True))
+    with pytest.raises(ValueError, match="turn vLLM's sleep mode off"):
+        PolicyEndpoint.on_vllm(asleep, max_new_tokens=8)
 
 
 def test_a_groups_log_probs_travel_with_unknown_ones_as_filler() -> None:
