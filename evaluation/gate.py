@@ -2,8 +2,9 @@
 
 Per-item successes of candidate and champion are paired by (env, item_id, the task's digest). The primary metric
 (overall agentic success) must improve with paired-bootstrap confidence; no guarded metric (each
-env's success rate, each lm-eval task's accuracy) may drop by more than `tolerance`. The decision
-and its numbers are stored as a `gate` artifact, and `champion` moves by compare-and-swap.
+env's success rate, each lm-eval task's accuracy) may drop by more than `tolerance` with the same
+confidence (an env of 18 held-out items loses 0.056 with one item: noise, not a regression). The
+decision and its numbers are stored as a `gate` artifact, and `champion` moves by compare-and-swap.
 """
 
 from __future__ import annotations
@@ -20,8 +21,18 @@ from flywheel.data import ArtifactNotFound, ArtifactStore, Manifest, RefConflict
 
 
 class GateConfig(BaseModel):
-    tolerance: float = Field(default=0.05, ge=0, description="Max allowed drop of any guarded metric.")
-    confidence: float = Field(default=0.9, gt=0.5, lt=1, description="Bootstrap P(candidate > champion) required.")
+    tolerance: float = Field(
+        default=0.05,
+        ge=0,
+        description="Max drop of any guarded metric; a larger one refuses the candidate when the bootstrap is "
+        "`confidence` sure of it.",
+    )
+    confidence: float = Field(
+        default=0.9,
+        gt=0.5,
+        lt=1,
+        description="Bootstrap P(candidate > champion) a promotion requires, and P(worse) a guard's regression.",
+    )
     bootstrap: int = Field(default=2000, ge=100, description="Bootstrap resamples.")
     seed: int = Field(default=0, description="Bootstrap seed.")
 
@@ -68,21 +79,30 @@ def decide(
         return {"promote": False, "reason": "no shared primary items between candidate and champion"}
     diffs = [candidate["primary"][k] - champion["primary"][k] for k in shared]
     mean = sum(diffs) / len(diffs)
-    wins = sum(sum(rng.choice(diffs) for _ in diffs) > 0 for _ in range(config.bootstrap))
-    p_better = wins / config.bootstrap
+    p_better = _p_positive(diffs, rng, config.bootstrap)
     guards = {}
     for group in sorted(set(candidate) & set(champion) - {"primary"}):
-        keys = set(candidate[group]) & set(champion[group])
+        keys = sorted(set(candidate[group]) & set(champion[group]))
         if keys:
-            delta = sum(candidate[group][k] - champion[group][k] for k in keys) / len(keys)
-            guards[group] = {"delta": round(delta, 4), "n": len(keys), "regressed": delta < -config.tolerance}
+            drops = [champion[group][k] - candidate[group][k] for k in keys]
+            delta = -sum(drops) / len(keys)
+            p_worse = _p_positive(drops, rng, config.bootstrap) if delta < -config.tolerance else 0.0
+            guards[group] = {
+                "delta": round(delta, 4),
+                "n": len(keys),
+                "p_worse": round(p_worse, 4),
+                "regressed": p_worse >= config.confidence,
+            }
     regressed = [g for g, v in guards.items() if v["regressed"]]
     unguarded = sorted((set(candidate) | set(champion)) - set(guards) - {"primary"})  # No shared item: no guard.
     promote = mean > 0 and p_better >= config.confidence and not regressed
     if promote:
         reason = f"primary +{mean:.3f} (P(better)={p_better:.2f}), no guard dropped more than {config.tolerance}"
     elif regressed:
-        reason = f"guarded metrics regressed beyond {config.tolerance}: {', '.join(regressed)}"
+        reason = (
+            f"guarded metrics regressed beyond {config.tolerance} (P(worse) >= {config.confidence}): "
+            f"{', '.join(regressed)}"
+        )
     else:
         reason = f"primary change {mean:+.3f} with P(better)={p_better:.2f} < {config.confidence}"
     if unguarded:
@@ -96,6 +116,11 @@ def decide(
         "guards": guards,
         "unguarded": unguarded,
     }
+
+
+def _p_positive(diffs: list[float], rng: random.Random, resamples: int) -> float:
+    """Paired bootstrap: the share of resamples of `diffs` whose sum is above 0."""
+    return sum(sum(rng.choice(diffs) for _ in diffs) > 0 for _ in range(resamples)) / resamples
 
 
 def gate(

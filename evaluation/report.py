@@ -242,9 +242,10 @@ def _markdown(name: str, agentic: list[dict], lm_eval: dict[str, Any], slices: l
         verdict = "PROMOTED" if gate["promote"] else "not promoted"
         lines += ["## Promotion gate", "", f"Candidate {verdict}: {gate['reason']}", ""]
         if gate.get("guards"):
-            lines += ["| guarded metric | change | n | regressed |", "|---|---|---|---|"]
+            lines += ["| guarded metric | change | n | P(worse) | regressed |", "|---|---|---|---|---|"]
             for metric, guard in sorted(gate["guards"].items()):
-                lines.append(f"| {metric} | {guard['delta']:+.3f} | {guard['n']} | {guard['regressed']} |")
+                p_worse = guard.get("p_worse", "")  # Decisions from before guards were bootstrapped have none.
+                lines.append(f"| {metric} | {guard['delta']:+.3f} | {guard['n']} | {p_worse} | {guard['regressed']} |")
             lines.append("")
     return "\n".join(lines)
 

@@ -161,9 +161,10 @@ def test_gate_promotes_only_at_the_bootstrap_confidence() -> None:
     assert not decide(*_wins(3), GateConfig(confidence=above["p_better"] + 0.0005))["promote"]
 
 
-def test_a_guard_may_drop_by_the_tolerance_and_no_more() -> None:
-    """The primary metric is clearly up (env a: +10 of 20); env b drops 1 of its 20 items (exactly the 0.05
-    tolerance: allowed), then 2 (refused)."""
+def test_a_guard_refuses_only_a_drop_beyond_the_tolerance_that_the_bootstrap_is_sure_of() -> None:
+    """The primary metric is clearly up (env a: +10 of 20); env b loses 1 of its 20 items (exactly the 0.05
+    tolerance: allowed unexamined), 2 (beyond it, but a resample misses both with (18/20)^20: P(worse) 0.88,
+    under 0.9: allowed) and 3 (P(worse) 1 - (17/20)^20 = 0.96: refused)."""
 
     def outcomes(a: int, b: int) -> dict[str, dict[str, float]]:
         """Successes on the first `a` of env a's 20 items and the last `b` of env b's."""
@@ -176,12 +177,19 @@ def test_a_guard_may_drop_by_the_tolerance_and_no_more() -> None:
     champion = outcomes(0, 20)
     within = decide(outcomes(10, 19), champion)
     assert within["promote"] and within["guards"] == {
-        "env/a": {"delta": 0.5, "n": 20, "regressed": False},
-        "env/b": {"delta": -0.05, "n": 20, "regressed": False},
+        "env/a": {"delta": 0.5, "n": 20, "p_worse": 0.0, "regressed": False},
+        "env/b": {"delta": -0.05, "n": 20, "p_worse": 0.0, "regressed": False},
     }
-    beyond = decide(outcomes(10, 18), champion)
-    assert beyond["p_better"] >= 0.9 and not beyond["promote"]
-    assert beyond["guards"]["env/b"] == {"delta": -0.1, "n": 20, "regressed": True} and "env/b" in beyond["reason"]
+    unsure = decide(outcomes(10, 18), champion)
+    assert unsure["promote"] and unsure["guards"]["env/b"]["delta"] == -0.1
+    assert abs(unsure["guards"]["env/b"]["p_worse"] - (1 - (18 / 20) ** 20)) < 0.02
+    assert not unsure["guards"]["env/b"]["regressed"]
+    beyond = decide(outcomes(10, 17), champion)
+    assert beyond["p_better"] >= 0.9 and not beyond["promote"] and "env/b" in beyond["reason"]
+    assert beyond["guards"]["env/b"]["delta"] == -0.15 and beyond["guards"]["env/b"]["regressed"]
+    assert abs(beyond["guards"]["env/b"]["p_worse"] - (1 - (17 / 20) ** 20)) < 0.02
+    # The guard's confidence is the gate's: at 0.85, two items lost are sure enough to refuse.
+    assert not decide(outcomes(10, 18), champion, GateConfig(confidence=0.85))["promote"]
 
 
 def test_a_metric_without_shared_items_is_reported_unguarded() -> None:
@@ -333,7 +341,9 @@ def test_a_guard_delta_is_recorded_to_four_decimals() -> None:
         "primary": dict.fromkeys(("a:0", "a:1", "a:2"), 0.0),
         "env/x": dict.fromkeys(("x:0", "x:1", "x:2"), 1.0),
     }
-    assert decide(candidate, champion)["guards"] == {"env/x": {"delta": -0.3333, "n": 3, "regressed": True}}
+    [guard] = decide(candidate, champion)["guards"].values()
+    assert (guard["delta"], guard["n"], guard["regressed"]) == (-0.3333, 3, False)  # 1 of 3: P(worse) ~ 0.70.
+    assert abs(guard["p_worse"] - (1 - (2 / 3) ** 3)) < 0.03 and len(str(guard["p_worse"]).split(".")[1]) <= 4
 
 
 def _lm_eval_samples(target: object, prompt: str = "2 + 2 =") -> str:
@@ -368,7 +378,7 @@ def test_the_decision_names_every_reason_and_rounds_to_four_decimals() -> None:
     candidate = primary_up | {"env/a": {"a:0": 0.0}, "env/b": {"b:0": 0.0}, "task/arc": {"0#new": 1.0}}
     champion |= {"env/a": {"a:0": 1.0}, "env/b": {"b:0": 1.0}, "task/arc": {"0#old": 1.0}}
     assert decide(candidate, champion)["reason"] == (
-        "guarded metrics regressed beyond 0.05: env/a, env/b; not guarded (no shared items): task/arc"
+        "guarded metrics regressed beyond 0.05 (P(worse) >= 0.9): env/a, env/b; not guarded (no shared items): task/arc"
     )
     one_of_three = decide(*_wins(1, n=3), GateConfig(bootstrap=300))  # 1/3 up, P(better) 215/300.
     assert (one_of_three["primary_delta"], one_of_three["p_better"]) == (0.3333, 0.7167)
