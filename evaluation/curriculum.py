@@ -29,6 +29,11 @@ few procedures), at most `focus` of them; once it solves some, every one - a suc
 call (declining an irrelevance task, which a model that does nothing passes) is no sign of that; and never more than the
 budget left after the learnable slices gives `min_teacher_groups` each. The others wait for a later
 round.
+
+A round the gate keeps out still taught something: the next round carries its rollouts into its SFT
+set (`flows/flywheel.py`), and an unsolved slice its candidate solved with a tool call is `carried`:
+no new teacher groups, outside the focus, so the focus moves on to the next slices instead of
+repeating the kept-out round's plan.
 """
 
 from __future__ import annotations
@@ -113,13 +118,15 @@ def build_curriculum(
     config: CurriculumConfig | None = None,
     previous: dict[str, Any] | None = None,
     difficulty: str | None = None,
+    carried: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Per env, every slice's class and evidence, and the slices unlocked.
 
     `outcomes`: `{source, category, difficulty, success}` rows (mining's flat samples);
     `families`: env -> its categories (none: the whole env is one slice, `*`); `previous`: the last
     round's curriculum (unlocks persist); `difficulty`: a profile that fixes one difficulty gets
-    only that one, always unlocked.
+    only that one, always unlocked; `carried`: the same rows of a kept-out candidate whose rollouts the
+    next round carries (an unsolved slice it solved with a tool call records `carried`: wins/n).
     """
     config = config or CurriculumConfig()
     curriculum: dict[str, Any] = {}
@@ -142,6 +149,8 @@ def build_curriculum(
                 row = _classify(env, category, level, counts, config) | {"slice": name}
                 if name not in unlocked:
                     row |= {"class": "locked", "evidence": "locked"}
+                elif row["class"] == "unsolved" and (taught := _carried(carried, sources, category, level)):
+                    row["carried"] = taught
                 rows.append(row)
                 if row["class"] == "mastered" and harder:
                     unlocked.add(f"{category}/{harder}")
@@ -151,6 +160,13 @@ def build_curriculum(
             "newly_unlocked": sorted(unlocked - opened),
         }
     return curriculum
+
+
+def _carried(rows: list[dict[str, Any]] | None, sources: set[str], category: str, level: str) -> str | None:
+    """`wins/n` of a kept-out candidate on a slice, when it solved one item there with a tool call."""
+    own = [r for r in rows or [] if r["source"] in sources and (r["category"], r["difficulty"]) == (category, level)]
+    wins, n, idle = _tally(own)
+    return f"{wins}/{n}" if wins > idle else None
 
 
 def _counts(env: str, rows: list[dict[str, Any]], opened: set[str]) -> dict[tuple[str, str, str], list[int]]:
@@ -272,13 +288,17 @@ def _teaching_limit(cells: list[tuple[str, dict[str, Any]]], groups: int, config
 
 
 def _focus_teaching(cells: list[tuple[str, dict[str, Any]]], focus: int | None, max_turns: int | None) -> None:
-    """Record each unsolved slice's teacher turns and turn budget (given the round's `max_turns`), and zero
-    the weight of those past the `focus` easiest (easiest difficulty, then fewest teacher turns, ties taken
-    from each env in turn)."""
+    """Record each unsolved slice's teacher turns and turn budget (given the round's `max_turns`), zero the
+    weight of the carried ones (the rollouts the round carries teach them), and of those past the `focus`
+    easiest of the rest (easiest difficulty, then fewest teacher turns, ties taken from each env in turn)."""
     unsolved = [(env, row) for env, row in cells if row["class"] == "unsolved"]
     for env, row in unsolved if max_turns else []:
         row["teacher_turns"] = teacher_turns(env, row["slice"])
         row["turns"] = turn_budget(row["teacher_turns"] or 0, max_turns)
+    for _, row in unsolved:
+        if row.get("carried"):
+            row["weight"], row["waits"] = 0.0, f"carried: the kept-out candidate solved {row['carried']}"
+    unsolved = [(env, row) for env, row in unsolved if not row.get("carried")]
     seen: Counter[tuple[str, tuple[int, int]]] = Counter()
     ranked = []  # (ease, the env's how-many-th at that ease, row): equally easy slices alternate envs.
     for env, row in unsolved:

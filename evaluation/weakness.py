@@ -153,20 +153,16 @@ def mine_to_store(
     curriculum: CurriculumSpec | None = None,
     previous: str | None = None,
     rollouts: str | None = None,
+    carried_evals: list[str] | None = None,
 ) -> Manifest:
     """Mine every sample of the given eval artifacts into weaknesses.json; with a `curriculum` spec, also
     curriculum.json (each slice's class, the generation plan, the GRPO task mix, and each lm-eval task's
     score with the slices it weighted). `previous`: the last
     round's weaknesses artifact (slice history, unlocked difficulties); `rollouts`: the round's
-    rollouts artifact, whose policy parts (the champion's own rollouts) are curriculum evidence too."""
-    samples, benchmark_samples = [], []
-    for ref in eval_refs:
-        manifest = store.manifest(ref)
-        for relpath in sorted(p for p in manifest.files if p.startswith("samples/")):
-            records = [json.loads(line) for line in store.read_bytes(manifest.id, relpath).decode().splitlines()]
-            kind = "agentic" if records and "env" in records[0] else "lm-eval"
-            samples.extend(flatten(kind, records))
-            benchmark_samples.extend(flatten(kind, records) if kind == "lm-eval" else [])
+    rollouts artifact, whose policy parts (the champion's own rollouts) are curriculum evidence too;
+    `carried_evals`: the evals of a candidate the gate kept out, whose rollouts the next round carries
+    (the slices it solved are `carried`, not taught again)."""
+    samples, benchmark_samples = flat_samples(store, eval_refs)
     before = store.read_json(previous, "weaknesses.json") if previous else None
     result = mine(samples, config, before)
     files = {"weaknesses.json": json.dumps(result, indent=2)}
@@ -174,8 +170,9 @@ def mine_to_store(
     if curriculum is not None:
         last = (stored_curriculum(store, previous) or {}) if previous else {}
         evidence = samples + (policy_outcomes(store, rollouts) if rollouts else [])
+        carried = flat_samples(store, carried_evals)[0] if carried_evals else None
         slices = build_curriculum(
-            evidence, curriculum.families, curriculum.config, last.get("slices"), curriculum.difficulty
+            evidence, curriculum.families, curriculum.config, last.get("slices"), curriculum.difficulty, carried
         )
         benchmarks = steer_by_benchmarks(slices, benchmark_samples, curriculum.config, last.get("benchmarks"))
         plan = {
@@ -187,11 +184,26 @@ def mine_to_store(
         files["curriculum.json"] = json.dumps(plan, indent=2)
         classes = Counter(row["class"] for env in slices.values() for row in env["slices"])
         metrics |= {f"slices_{cls}": classes.get(cls, 0) for cls in ("unsolved", "learnable", "mastered", "locked")}
-    parents = [store.resolve(ref) for ref in [*eval_refs, previous, rollouts] if ref]
-    params = {"mining": (config or MiningConfig()).model_dump()}
+    parents = [store.resolve(ref) for ref in [*eval_refs, previous, rollouts, *(carried_evals or [])] if ref]
+    params: dict[str, Any] = {"mining": (config or MiningConfig()).model_dump()}
+    if carried_evals:  # Parents too, but not the champion's: `round_inputs` tells them apart by this.
+        params["carried_evals"] = [store.resolve(ref) for ref in carried_evals]
     if curriculum is not None:
         params["curriculum"] = curriculum.model_dump()
     return store.put("weaknesses", name, files, parents=parents, params=params, metrics=metrics)
+
+
+def flat_samples(store: ArtifactStore, eval_refs: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every sample of the eval artifacts, flattened (`flatten`), and the lm-eval ones among them."""
+    samples, benchmark_samples = [], []
+    for ref in eval_refs:
+        manifest = store.manifest(ref)
+        for relpath in sorted(p for p in manifest.files if p.startswith("samples/")):
+            records = [json.loads(line) for line in store.read_bytes(manifest.id, relpath).decode().splitlines()]
+            kind = "agentic" if records and "env" in records[0] else "lm-eval"
+            samples.extend(flatten(kind, records))
+            benchmark_samples.extend(flatten(kind, records) if kind == "lm-eval" else [])
+    return samples, benchmark_samples
 
 
 def stored_curriculum(store: ArtifactStore, ref: str) -> dict[str, Any] | None:

@@ -109,8 +109,9 @@ def run_round(store: ArtifactStore, n: int, p: RoundConfig, stage: StageCall) ->
     start = round_inputs(store, n, p)
     plan, rl_mix = plan_round(start.curriculum, p, start.planned_with) if start.curriculum else (None, None)
     rollouts = stage("generate", round_no=n, tokenizer_model=start.base, plan=plan)
-    dataset = stage("curate", round_no=n, rollouts=rollouts)
-    sft_ckpt = stage("sft", round_no=n, base=start.base, dataset=dataset, steps=sft_steps(plan, p))
+    dataset = stage("curate", round_no=n, rollouts=rollouts, carried=start.carried)
+    steps = sft_steps(plan, p, carried_groups(store, start.carried))
+    sft_ckpt = stage("sft", round_no=n, base=start.base, dataset=dataset, steps=steps)
     rl_ckpt = stage("rl", round_no=n, policy=sft_ckpt, task_mix=rl_mix)
     evals = judge(n, rl_ckpt)
     champion_evals = start.base_evals
@@ -121,9 +122,10 @@ def run_round(store: ArtifactStore, n: int, p: RoundConfig, stage: StageCall) ->
         "gate", round_no=n, evals=evals, candidate=rl_ckpt, champion=start.base, champion_evals=champion_evals
     )
     decision = store.read_json(decision_id, "decision.json")
-    # The next curriculum follows the model the next round starts from (and what the champion's own rollouts showed).
-    mined = evals if decision["promote"] else champion_evals
-    stage("mine", round_no=n, evals=mined, previous=start.weaknesses, rollouts=rollouts)
+    # The next curriculum follows the model the next round starts from (and what the champion's own rollouts showed);
+    # a kept-out candidate's evals say which slices the rollouts the next round carries have taught.
+    mined, carried_evals = (evals, []) if decision["promote"] else (champion_evals, evals)
+    stage("mine", round_no=n, evals=mined, previous=start.weaknesses, rollouts=rollouts, carried_evals=carried_evals)
     return stage("report", round_no=n, refs=round_refs(store, n)), decision
 
 
@@ -141,12 +143,18 @@ def plan_round(
     return plan, grpo_mix(slices, p.curriculum)
 
 
-def sft_steps(plan: dict[str, Any] | None, p: RoundConfig) -> int | None:
-    """SFT steps for a plan larger than `generate.groups` (mastered slices' replay comes on top):
-    `sft.total_steps` scaled by the plan's size, so each row is seen as often as in a round of `groups`
-    (the taught slices' script is learnt in ~2 epochs, garbled in under 1). None: the config's."""
-    planned, groups = planned_groups(plan), p.generate.groups
-    return math.ceil(p.sft.total_steps * planned / groups) if planned > groups else None
+def sft_steps(plan: dict[str, Any] | None, p: RoundConfig, carried: int = 0) -> int | None:
+    """SFT steps for a plan larger than `generate.groups` (mastered slices' replay comes on top) or with
+    `carried` groups of kept-out rounds: `sft.total_steps` scaled by the groups curated, so each row is seen
+    as often as in a round of `groups` (the taught slices' script is learnt in ~2 epochs, garbled in under
+    1). None: the config's."""
+    curated, groups = planned_groups(plan) + carried, p.generate.groups
+    return math.ceil(p.sft.total_steps * curated / groups) if curated > groups else None
+
+
+def carried_groups(store: ArtifactStore, carried: list[str]) -> int:
+    """The groups the carried rollouts artifacts wrote."""
+    return sum(int(store.manifest(ref).metrics.get("groups_written", 0)) for ref in carried)
 
 
 def planned_groups(plan: dict[str, Any] | None) -> int:
@@ -185,20 +193,26 @@ class RoundInputs(NamedTuple):
     weaknesses: str | None  # Round n-1's weaknesses artifact.
     curriculum: dict[str, Any] | None  # Its curriculum.json (None: none, or the round's is uniform).
     planned_with: dict[str, Any] | None  # The curriculum spec mining planned that curriculum with.
+    carried: list[str]  # Rollouts of the kept-out rounds since the champion's, curated again in round n.
 
 
 def round_inputs(store: ArtifactStore, n: int, p: RoundConfig) -> RoundInputs:
-    """Round n's inputs from round n-1's gate decision and weaknesses artifact."""
+    """Round n's inputs from round n-1's gate decision and weaknesses artifact. A round n-1 kept out passes
+    on the rollouts its SFT set was curated from (its own and those it carried): its candidate's learning
+    goes into round n's SFT set instead of being generated again."""
     if n == 1:
         gate_id = store.resolve(f"gate/{round_name('gate', 0)}")
-        weaknesses = store.try_resolve(f"weaknesses/{round_name('weaknesses', 0)}")
+        weaknesses, made = store.try_resolve(f"weaknesses/{round_name('weaknesses', 0)}"), {}
     else:
         report = store.try_resolve(f"report/{round_name('report', n - 1)}")
         if report is None:
             raise ConfigError(f"cannot start round {n}: {store.url} has no report of round {n - 1}")
-        parents = {store.manifest(parent).kind: parent for parent in store.manifest(report).parents}
-        gate_id, weaknesses = parents["gate"], parents.get("weaknesses")
+        made = {store.manifest(parent).kind: parent for parent in store.manifest(report).parents}
+        gate_id, weaknesses = made["gate"], made.get("weaknesses")
     decision = store.read_json(gate_id, "decision.json")
+    carried = []
+    if not decision["promote"] and "dataset" in made:
+        carried = [ref for ref in store.manifest(made["dataset"]).parents if store.manifest(ref).kind == "rollouts"]
     base = decision["candidate"] if decision["promote"] else decision["champion_before"]
     models = {m.id for m in lineage(store, base).walk() if m.kind == "model"}
     if store.try_resolve(f"model/{p.model}") not in models:
@@ -208,12 +222,13 @@ def round_inputs(store: ArtifactStore, n: int, p: RoundConfig) -> RoundInputs:
         )
     mined = store.manifest(weaknesses) if weaknesses else None
     if mined is not None:
-        base_evals = [ref for ref in mined.parents if store.manifest(ref).kind == "eval"]
+        candidate = set(mined.params.get("carried_evals", []))  # A kept-out candidate's, not the champion's.
+        base_evals = [ref for ref in mined.parents if store.manifest(ref).kind == "eval" and ref not in candidate]
     else:  # A store from before rounds were mined: the evals the gate recorded.
         base_evals = decision["candidate_evals"] if decision["promote"] else recorded_evals(store, base)
     curriculum = stored_curriculum(store, mined.id) if mined is not None and p.curriculum.mode == "mined" else None
     planned_with = mined.params.get("curriculum") if mined is not None else None
-    return RoundInputs(base, base_evals, weaknesses, curriculum, planned_with)
+    return RoundInputs(base, base_evals, weaknesses, curriculum, planned_with, carried)
 
 
 @flow(name="eval", flow_run_name="eval-{model}")

@@ -63,6 +63,11 @@ class GenerateParams(StageParams):
 
 class CurateParams(StageParams):
     rollouts: str = Field(description="Rollouts artifact id.")
+    carried: list[str] = Field(
+        default_factory=list,
+        description="Rollouts of the rounds the gate kept out since the champion's: curated with this round's, "
+        "so what their candidates learned is not lost.",
+    )
 
 
 class SFTParams(StageParams):
@@ -103,6 +108,11 @@ class MineParams(StageParams):
     previous: str | None = Field(default=None, description="The last round's weaknesses artifact id.")
     rollouts: str | None = Field(
         default=None, description="This round's rollouts artifact id: the champion's own rollouts count as evidence."
+    )
+    carried_evals: list[str] = Field(
+        default_factory=list,
+        description="The evals of this round's candidate when the gate kept it out: the unsolved slices it "
+        "solved are carried (the next round curates its rollouts again), not taught anew.",
     )
 
 
@@ -176,7 +186,7 @@ def curate(params: CurateParams, map_shards: ShardMap | None = None) -> Manifest
     the rollouts' shards (the stage flow's Dask map under `data.runner: dask`)."""
     n = params.round_no
     names = round_name("sft", n), round_name("pairs", n)
-    return curate_to_store(params.store(), [params.rollouts], *names, map_shards=map_shards)[0]
+    return curate_to_store(params.store(), [params.rollouts, *params.carried], *names, map_shards=map_shards)[0]
 
 
 def sft_config(params: SFTParams) -> SFTRunConfig:
@@ -310,6 +320,7 @@ def mine(params: MineParams) -> Manifest:
         curriculum=curriculum_spec(params.config),
         previous=params.previous,
         rollouts=params.rollouts,
+        carried_evals=params.carried_evals,
     )
 
 

@@ -357,6 +357,25 @@ def test_teacher_data_goes_to_the_focus_easiest_slices_with_their_turn_budgets()
     assert {row["turns"] for row in roomy["swe_bench"]["slices"] if row["slice"].endswith("/easy")} == {9}
 
 
+def test_slices_a_kept_out_candidate_solved_with_a_call_are_carried_and_the_focus_moves_past_them() -> None:
+    """The champion solves nothing; the kept-out candidate solved `todo_report/easy` (1 of 2, with a call) and
+    `line_count/easy` only without a call (no sign): the first is carried - no teacher groups, not in the
+    focus - so the focus of 2 takes the next two easiest; a carried slice that unlocked is no concern."""
+    families = {"tool_use_chain": CATEGORIES, "swe_bench": ("off_by_one", "wrong_operator", "wrong_condition")}
+    candidate = outcomes({("todo_report", "easy"): (1, 2), ("line_count", "easy"): (1, 2)})
+    for row in candidate:
+        row["acted"] = row["category"] == "todo_report"
+    curriculum = build_curriculum([], families, carried=candidate)
+    plan_generation(curriculum, groups=12, config=CurriculumConfig(focus=2), max_turns=6)
+    rows = {row["slice"]: row for spec in curriculum.values() for row in spec["slices"]}
+    assert rows["todo_report/easy"]["carried"] == "1/2" and rows["todo_report/easy"]["groups"] == 0
+    assert rows["todo_report/easy"]["waits"] == "carried: the kept-out candidate solved 1/2"
+    assert "carried" not in rows["line_count/easy"]
+    taught = sorted(name for name, row in rows.items() if row["groups"])
+    assert taught == ["csv_summary/easy", "line_count/easy"]  # 3 calls each, before swe_bench's 5.
+    assert "carried" not in build_curriculum([], families)["tool_use_chain"]["slices"][0]  # Nothing carried.
+
+
 def test_focus_holds_only_while_the_champion_solves_nothing() -> None:
     """From a base model that solves no slice, `focus` slices are taught; once the champion solves one
     (learnable or mastered) with a tool call, every unsolved unlocked slice is. Successes that made no

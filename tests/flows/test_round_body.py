@@ -19,11 +19,14 @@ from flywheel.flows.work import round_name
 
 # envs: tool_use_chain; 10 turns keep todo_report/medium (9 oracle turns) in reach once it unlocks.
 CONFIG = load_round_config("tiny", overrides=["generate.groups=40", "max_agent_turns=10"])
-SOLVED_BY_R1 = {("todo_report", "easy")}  # What the round-1 candidate learns.
+SOLVED_BY_R1 = {"rl-r1": {("todo_report", "easy"): 12}}  # What the round-1 candidate learns: items a slice.
 
 
-def scripted_round_stages(store: ArtifactStore) -> tuple[Any, list[tuple[str, dict[str, Any]]]]:
-    """A `stage` callable for `run_round` and the calls it received. Gate and mine run for real."""
+def scripted_round_stages(
+    store: ArtifactStore, solved: dict[str, dict[tuple[str, str], int]] = SOLVED_BY_R1
+) -> tuple[Any, list[tuple[str, dict[str, Any]]]]:
+    """A `stage` callable for `run_round` and the calls it received; `solved`: checkpoint name -> how many
+    of a slice's 12 held-out items it solves. Gate and mine run for real."""
     calls: list[tuple[str, dict[str, Any]]] = []
 
     def stage(name: str, /, **fields: Any) -> str:
@@ -33,10 +36,10 @@ def scripted_round_stages(store: ArtifactStore) -> tuple[Any, list[tuple[str, di
             params = STAGES[name].params(store_url=store.root_url, config=CONFIG, **fields)
             return STAGES[name].work(params).id
         if name == "evaluate":
-            solved = SOLVED_BY_R1 if store.manifest(fields["model"]).name == "rl-r1" else set()
+            wins = solved.get(store.manifest(fields["model"]).name, {})
             rows = [
                 {"env": "tool_use_chain", "item_id": f"{c}-{d}-{i}", "category": c, "difficulty": d,
-                 "reward": float((c, d) in solved), "success": (c, d) in solved}
+                 "reward": float(i < wins.get((c, d), 0)), "success": i < wins.get((c, d), 0)}
                 for c in CATEGORIES for d in DIFFICULTIES for i in range(12)
             ]  # fmt: skip
             return store.put("eval", fields["name"], {"samples/tool_use_chain.jsonl": _jsonl(rows)}).id
@@ -45,13 +48,16 @@ def scripted_round_stages(store: ArtifactStore) -> tuple[Any, list[tuple[str, di
             return store.put("eval", fields["name"], {"samples/flywheel_reasoning.jsonl": _jsonl(rows)}).id
         made = {
             "generate": ("rollouts", round_name("rollouts", n), []),
-            "curate": ("dataset", round_name("sft", n), [fields.get("rollouts")]),
+            "curate": ("dataset", round_name("sft", n), [fields.get("rollouts"), *fields.get("carried", [])]),
             "sft": ("checkpoint", round_name("sft", n), [fields.get("base"), fields.get("dataset")]),
             "rl": ("checkpoint", round_name("rl", n), [fields.get("policy")]),
             "report": ("report", round_name("report", n), fields.get("refs", [])),
         }[name]
         kind, artifact, parents = made
-        return store.put(kind, artifact, {"x": json.dumps(fields, default=str)}, parents=[p for p in parents if p]).id
+        planned = sum(part["groups"] for parts in (fields.get("plan") or {}).values() for part in parts.values())
+        metrics = {"groups_written": planned} if name == "generate" else {}
+        files = {"x": json.dumps(fields, default=str)}
+        return store.put(kind, artifact, files, parents=[p for p in parents if p], metrics=metrics).id
 
     return stage, calls
 
@@ -122,3 +128,41 @@ def test_a_round_plans_once_unless_its_config_changed(tmp_path: Path, monkeypatc
     plan = dict(calls)["generate"]["plan"]["tool_use_chain"]
     assert plan["teacher"]["groups"] <= 8 != store.read_json("weaknesses/weaknesses-r1", "curriculum.json")[
         "generate"]["tool_use_chain"]["teacher"]["groups"]  # fmt: skip
+
+
+def test_a_kept_out_round_carries_its_rollouts_and_the_focus_moves_on(tmp_path: Path) -> None:
+    """Round 1's candidate solves 1 of 12 `todo_report/easy` items (P(better) ~0.6: kept out), round 2's as
+    well: round 2 curates round 1's rollouts again beside its own, round 3 both rounds', each SFT's steps
+    grow with them; the slice they taught is `carried` (no new teacher groups), the champion's evals stay
+    the bar, and once a round is promoted nothing is carried."""
+    store = ArtifactStore(tmp_path)
+    store.put("model", "tiny", {"config.json": "{}"})
+    one = {("todo_report", "easy"): 1}
+    stage, calls = scripted_round_stages(store, {"rl-r1": one, "rl-r2": one, "rl-r3": {("line_count", "easy"): 12}})
+    assert not run_round(store, 1, CONFIG, stage)[1]["promote"]
+    assert dict(calls)["curate"]["carried"] == []
+    calls.clear()
+
+    assert not run_round(store, 2, CONFIG, stage)[1]["promote"]
+    got, r1 = dict(calls), store.resolve("rollouts/rollouts-r1")
+    assert got["curate"]["carried"] == [r1]
+    base_evals = [store.resolve("eval/agentic-r0"), store.resolve("eval/lm-eval-r0")]
+    assert got["gate"]["champion_evals"] == base_evals  # The kept-out candidate's evals are no bar.
+    row = next(r for r in store.read_json("weaknesses/weaknesses-r1", "curriculum.json")["slices"]["tool_use_chain"]
+               ["slices"] if r["slice"] == "todo_report/easy")  # fmt: skip
+    assert row["class"] == "unsolved" and row["carried"] == "1/12" and row["waits"].startswith("carried")
+    teacher = got["generate"]["plan"]["tool_use_chain"]["teacher"]["mix"]
+    assert teacher["todo_report/easy"] == 0 and teacher["line_count/easy"] > 0
+    planned = sum(part["groups"] for part in got["generate"]["plan"]["tool_use_chain"].values())
+    carried_groups = store.manifest(r1).metrics["groups_written"]
+    assert carried_groups > 0
+    assert got["sft"]["steps"] == math.ceil(CONFIG.sft.total_steps * (planned + carried_groups) / CONFIG.generate.groups)
+    calls.clear()
+
+    assert run_round(store, 3, CONFIG, stage)[1]["promote"]  # line_count/easy: 12 of 12.
+    assert set(dict(calls)["curate"]["carried"]) == {r1, store.resolve("rollouts/rollouts-r2")}
+    calls.clear()
+    run_round(store, 4, CONFIG, stage)
+    assert dict(calls)["curate"]["carried"] == []
+    mined_r3 = store.manifest("weaknesses/weaknesses-r3")
+    assert "carried_evals" not in mined_r3.params
