@@ -68,7 +68,8 @@ class FunctionCallingEnv(TaskEnv):
             self.remember_item(item)
 
     def format_prompt(self, item: dict[str, Any]) -> str:
-        return tasks.user_prompt(item["functions"], item["request"], self.config.tool_call_parser)
+        listing = item.get("listing", "schema")
+        return tasks.user_prompt(item["functions"], item["request"], self.config.tool_call_parser, listing)
 
     async def run_agent(
         self,

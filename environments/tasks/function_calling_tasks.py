@@ -12,6 +12,12 @@ optional) and a request in words. Categories, and what difficulty (easy / medium
   same service, other actions) or 4 (near misses: the same service or the same action); a quarter
   of the tasks (a third when hard) ask for what none of them does, and the answer is no call.
 
+The functions are shown in one of two listings, drawn per task: `schema`, the OpenAI schemas as the
+tool-call parser renders tools for a system prompt, or `signatures`, one line a function
+(`name(required: type, [optional: type]): description`), the compact form tool-calling benchmarks
+(the shipped lm-eval suite's `flywheel_tool_call` among them) write tools in: a model taught one form
+alone answered the other with the first call it had learnt (valid call 0.73, exact 0.00).
+
 `answer.calls` is the ground truth (empty: no function fits). `verify` compares the agent's calls
 with it exactly: the function name; the argument keys (every required one, no unknown one, an
 optional one only when the request sets it; `null` for an optional one counts as left out, as the
@@ -48,6 +54,7 @@ RULES = (
     "and say so."
 )
 REFUSAL = "None of these functions can do that."
+LISTINGS = ("schema", "signatures")  # How a task shows its functions (`user_prompt`).
 _DONE = "Done."
 
 
@@ -267,10 +274,12 @@ def make_task(rng: random.Random, category: str, difficulty: str, split: str = "
         specs = [f.spec() for f in functions]
         if split_of(specs, request) == split:
             break
+    listing = rng.choice(LISTINGS)  # Drawn last: the task itself is what the seed made before.
     return {
-        "prompt": user_prompt(specs, request),
+        "prompt": user_prompt(specs, request, listing=listing),
         "request": request,
         "functions": specs,
+        "listing": listing,
         "answer": {"calls": calls},
         "oracle": [*_one_reply(calls), final(_DONE if calls else REFUSAL)],
     }
@@ -359,11 +368,50 @@ def _choose_or_refuse(rng: random.Random, difficulty: str) -> tuple[list[_Functi
     return shown, calls, target.request(arguments, rng)
 
 
-def user_prompt(functions: list[dict[str, Any]], request: str, parser: str = "hermes") -> str:
-    """The user message: the functions as `parser` renders tools for a system prompt (each call written the
-    way the parser reads it), the rules, and the request."""
-    tools = get_parser(parser).render_tools_prompt([{"type": "function", "function": f} for f in functions])
+def user_prompt(functions: list[dict[str, Any]], request: str, parser: str = "hermes", listing: str = "schema") -> str:
+    """The user message: the functions (as `parser` renders tools for a system prompt, or as `signatures`),
+    how to write a call the way the parser reads it, the rules, and the request."""
+    tool_call = get_parser(parser)
+    if listing == "signatures":
+        lines = "\n".join(signature(f) for f in functions)
+        example = tool_call.tool_call_text("tool_name", {"argument": "value"})
+        tools = (
+            f"Functions you can call, one a line (arguments in square brackets are optional):\n{lines}\n\n"
+            f"For each function call, reply exactly like this:\n{example}"
+        )
+    else:
+        tools = tool_call.render_tools_prompt([{"type": "function", "function": f} for f in functions])
     return f"{tools}\n\n{RULES}\n\nRequest: {request}"
+
+
+def signature(function: dict[str, Any]) -> str:
+    """One function as a line: `- name(required: type, [optional: type]): description`.
+
+    >>> signature({"name": "rate_kayak_trip", "description": "Leave a rating for a kayak trip.", "parameters": {
+    ...     "properties": {"seat": {"type": "string", "enum": ["window", "aisle"]}, "ages": {"type": "array",
+    ...     "items": {"type": "integer"}}}, "required": ["seat"]}})
+    '- rate_kayak_trip(seat: "window" | "aisle", [ages: array of integers]): Leave a rating for a kayak trip.'
+    """
+    parameters = function["parameters"]
+    required = set(parameters.get("required", []))
+    arguments = [
+        f"{name}: {_type_words(schema)}" if name in required else f"[{name}: {_type_words(schema)}]"
+        for name, schema in parameters.get("properties", {}).items()
+    ]
+    return f"- {function['name']}({', '.join(arguments)}): {function.get('description', '')}".rstrip(": ")
+
+
+def _type_words(schema: dict[str, Any]) -> str:
+    """A parameter's JSON type in words: `integer`, `"a" | "b"`, `array of strings`, `object {x: number}`."""
+    if "enum" in schema:
+        return " | ".join(json.dumps(value) for value in schema["enum"])
+    if schema.get("type") == "array":
+        items = schema.get("items", {})
+        return f"array of ({_type_words(items)})" if "enum" in items else f"array of {_type_words(items)}s"
+    if schema.get("type") == "object":
+        fields = ", ".join(f"{name}: {_type_words(sub)}" for name, sub in schema.get("properties", {}).items())
+        return f"object {{{fields}}}"
+    return str(schema.get("type", "value"))
 
 
 def function_tools(item: dict[str, Any]) -> list[Tool]:

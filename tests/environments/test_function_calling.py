@@ -293,6 +293,29 @@ def test_difficulty_grows_what_must_be_right() -> None:
     assert left_out and set_optional  # Optional arguments: some requests leave them out, some set them.
 
 
+def test_the_functions_are_listed_as_schemas_or_as_signatures(items: list[Item]) -> None:
+    """About half the tasks list their functions as JSON schemas, half as one signature a line, required
+    arguments bare and optional ones bracketed, every parameter with its JSON type in words."""
+    import doctest
+
+    assert doctest.testmod(tasks).failed == 0  # `signature`'s example.
+    by_listing = {listing: [i for i in items if i["listing"] == listing] for listing in tasks.LISTINGS}
+    assert all(0.35 < len(some) / len(items) < 0.65 for some in by_listing.values())
+    for item in by_listing["signatures"]:
+        assert "<tools>" not in item["prompt"] and item["prompt"].endswith(f"Request: {item['request']}")
+        for function in item["functions"]:
+            line = tasks.signature(function)
+            assert f"\n{line}\n" in item["prompt"]
+            params = function["parameters"]
+            for name in params["properties"]:
+                assert (f"[{name}: " in line) == (name not in params["required"]) and f"{name}: " in line
+    for item in by_listing["schema"]:
+        assert all(json.dumps(f["name"]) in item["prompt"] for f in item["functions"]) and "<tools>" in item["prompt"]
+    hard = _first(by_listing["signatures"], lambda i: i["category"] == "single" and i["difficulty"] == "hard")
+    line = tasks.signature(hard["functions"][0])
+    assert "object {" in line and " | " in line and "array of " in line  # Nested object, enum, array.
+
+
 def test_the_teacher_is_short() -> None:
     """The oracle answers in one reply (its parallel calls a `batch`), then says it is done: 2 turns on every
     slice, 1 for a refusal; every easy slice is far under the CPU default's 6."""
