@@ -11,7 +11,10 @@ Filters, in order, each counted in the card:
 3. `low_spread`: whole groups whose max-min score is under `min_group_spread`.
 4. `not_top_n`: all but the best `top_n_per_group` of a group (ties: fewer turns first).
 5. `exact_duplicate` / `near_duplicate`: same conversation, or word-shingle Jaccard >= threshold with
-   a row kept before it.
+   a row of the same task (`content_digest`; rows without one: any row) kept before it. Two tasks a
+   generator made from one template, solved by one procedure, are two examples of it, which is what
+   SFT learns a procedure from: a global search took 4 of 5 teacher demonstrations of `todo_report`
+   easy (their text is the template's, the files they list differ) and the round learnt nothing there.
 6. `contaminated`: the task is an evaluation item's (equal `content_digest`: prompt, files and
    answer, whatever the ids), or its text has most of the n-grams that only one eval item has
    (n-grams two eval items, or two distinct training tasks, share are template text: a held-out set
@@ -58,7 +61,10 @@ class CurationConfig(BaseModel):
     top_n_per_group: int = Field(default=1, ge=1, description="Best rollouts kept per group.")
     min_group_spread: float = Field(default=0.0, ge=0, description="Drop groups whose max-min score is lower.")
     near_duplicate_jaccard: float = Field(
-        default=0.9, gt=0, le=1, description="Near-duplicate: word-shingle Jaccard with a kept row at least this."
+        default=0.9,
+        gt=0,
+        le=1,
+        description="Near-duplicate: word-shingle Jaccard with a kept row of the same task at least this.",
     )
     shingle_words: int = Field(default=5, ge=1, description="Words per shingle for near-duplicates.")
     minhash_permutations: int = Field(
@@ -238,7 +244,8 @@ class Curator:
             kind, row = candidate.kind, candidate.row
             if kind == "sft":
                 assert candidate.signature is not None  # Every SFT candidate is fingerprinted.
-                duplicate = self.dedup.duplicate(candidate.digest, candidate.signature)
+                task = (row["meta"].get("content_digest") or "").encode()
+                duplicate = self.dedup.duplicate(candidate.digest, candidate.signature, scope=task)
                 if duplicate:
                     self.stats.removed[duplicate] += 1
                     continue

@@ -8,6 +8,7 @@ MinHash estimates decide (error ~ sqrt(J(1 - J) / num_perm): rows within a few h
 threshold can go either way). Per kept row the index holds its MinHash (4 bytes a permutation) and
 12 bytes a band in sorted numpy runs, never its text: time linear in the rows, about 0.7 KB a kept
 row at 128 permutations (datasketch's own `MinHashLSH` keeps Python sets per band, ~2.6 KB).
+A `scope` partitions the near-duplicate search: rows of different scopes are never near-duplicates.
 """
 
 from __future__ import annotations
@@ -45,13 +46,13 @@ class Deduplicator:
         minhash.update_batch([shingle.encode() for shingle in shingles(text, self.shingle_words)])
         return digest, minhash.hashvalues.astype(np.uint32)
 
-    def duplicate(self, digest: bytes, signature: np.ndarray) -> str | None:
+    def duplicate(self, digest: bytes, signature: np.ndarray, scope: bytes = b"") -> str | None:
         """`exact_duplicate` when the digest was seen, `near_duplicate` when the signature is within the
-        threshold of a kept row's, None for a new row (now kept)."""
+        threshold of a kept row's within the same `scope`, None for a new row (now kept)."""
         if digest in self._digests:
             return "exact_duplicate"
         self._digests.add(digest)
-        keys = self._band_keys(signature)
+        keys = self._band_keys(signature, scope)
         for row in self._bands.rows(keys):
             if np.mean(self._signatures[row // BLOCK][row % BLOCK] == signature) >= self.threshold:
                 return "near_duplicate"
@@ -62,11 +63,13 @@ class Deduplicator:
         self._kept += 1
         return None
 
-    def _band_keys(self, signature: np.ndarray) -> np.ndarray:
-        """One uint64 per band: its values hashed with the band's number (equal only within a band)."""
+    def _band_keys(self, signature: np.ndarray, scope: bytes) -> np.ndarray:
+        """One uint64 per band: its values and the scope hashed with the band's number (equal only within a
+        band and a scope)."""
         r = self.rows_per_band
         starts = range(0, len(signature) - r + 1, r)
-        return np.array([_hash64(signature[start : start + r].tobytes(), start) for start in starts], dtype=np.uint64)
+        keys = [_hash64(scope + signature[start : start + r].tobytes(), start) for start in starts]
+        return np.array(keys, dtype=np.uint64)
 
 
 def _hash64(data: bytes, salt: int) -> int:

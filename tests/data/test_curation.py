@@ -86,6 +86,18 @@ def test_each_filter_removes_exactly_what_it_should() -> None:
     assert sum(card["reward_histogram"].values()) == 10
 
 
+def test_near_duplicates_are_searched_within_a_task_so_one_procedure_on_other_files_is_kept() -> None:
+    """Two tasks of one template, solved by one procedure, their conversations one word apart: both kept when
+    their `content_digest`s differ (two examples of the procedure); the same task twice is one."""
+    text = "Task one: summarise " + LONG
+    twins = [convo(text, "answer one " + LONG), convo(text, "answer one " + LONG.replace("word59", "x"))]
+    other_tasks = [group(f"t{i}", [(m, 1.0)], content_digest=f"task-{i}") for i, m in enumerate(twins)]
+    assert [row["meta"]["item_id"] for row in curate(other_tasks, []).sft] == ["t0", "t1"]
+    one_task = [group(f"t{i}", [(m, 1.0)], content_digest="task-0") for i, m in enumerate(twins)]
+    result = curate(one_task, [])
+    assert [row["meta"]["item_id"] for row in result.sft] == ["t0"] and result.removed["near_duplicate"] == 1
+
+
 def test_shared_templates_alone_are_not_contamination() -> None:
     evals = [f"Find 3 products in the toys department priced under ${n}" for n in range(30)]
     rows = [group("t", [(convo("Find 3 products in the toys department priced under $99", "ok"), 1.0)])]

@@ -156,7 +156,9 @@ def test_a_kept_out_round_carries_its_rollouts_and_the_focus_moves_on(tmp_path: 
     planned = sum(part["groups"] for part in got["generate"]["plan"]["tool_use_chain"].values())
     carried_groups = store.manifest(r1).metrics["groups_written"]
     assert carried_groups > 0
-    assert got["sft"]["steps"] == math.ceil(CONFIG.sft.total_steps * (planned + carried_groups) / CONFIG.generate.groups)
+    assert got["sft"]["steps"] == math.ceil(
+        CONFIG.sft.total_steps * (planned + carried_groups) / CONFIG.generate.groups
+    )
     calls.clear()
 
     assert run_round(store, 3, CONFIG, stage)[1]["promote"]  # line_count/easy: 12 of 12.
