@@ -11,7 +11,7 @@ Filters, in order, each counted in the card:
 3. `low_spread`: whole groups whose max-min score is under `min_group_spread`.
 4. `not_top_n`: all but the best `top_n_per_group` of a group (ties: fewer turns first).
 5. `exact_duplicate` / `near_duplicate`: same conversation, or word-shingle Jaccard >= threshold with
-   a row of the same task (`content_digest`; rows without one: any row) kept before it. Two tasks a
+   a row of the same task (`content_digest`; rows without one: each other) kept before it. Two tasks a
    generator made from one template, solved by one procedure, are two examples of it, which is what
    SFT learns a procedure from: a global search took 4 of 5 teacher demonstrations of `todo_report`
    easy (their text is the template's, the files they list differ) and the round learnt nothing there.
@@ -413,7 +413,8 @@ def screen_shard(store_url: str, shard: tuple[str, str], *, config: CurationConf
                 writer.write(candidate.to_record())
         files: dict[str, Any] = {path.name: path for path in writer.close()}
         files["screened.json"] = json.dumps({"stats": curator.stats.screened(), "tasks": curator.tasks})
-        shard_name = f"{name}-{Path(shard[1]).stem}"  # One ref a shard: `<sft>-screened-<part>-00000`.
+        # One ref a shard, of whichever rollouts artifact: `<sft>-screened-<rollouts>-<part>-00000`.
+        shard_name = f"{name}-{store.manifest(shard[0]).name}-{Path(shard[1]).stem}"
         return store.put("candidates", shard_name, files, parents=[shard[0]], params=config.model_dump()).id
 
 

@@ -30,10 +30,11 @@ call (declining an irrelevance task, which a model that does nothing passes) is 
 budget left after the learnable slices gives `min_teacher_groups` each. The others wait for a later
 round.
 
-A round the gate keeps out still taught something: the next round carries its rollouts into its SFT
-set (`flows/flywheel.py`), and an unsolved slice its candidate solved with a tool call is `carried`:
-no new teacher groups, outside the focus, so the focus moves on to the next slices instead of
-repeating the kept-out round's plan.
+A round the gate keeps out for want of confidence still taught something: the next round carries its
+rollouts into its SFT set (`flows/flywheel.py`), and an unsolved slice it taught (or carried) that
+its candidate solved with a tool call is `carried`: no new teacher groups, outside the focus, so the
+focus moves on to the next slices instead of repeating the kept-out round's plan. With nothing else
+left to teach, the carried slices are taught anew.
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ def build_curriculum(
     `families`: env -> its categories (none: the whole env is one slice, `*`); `previous`: the last
     round's curriculum (unlocks persist); `difficulty`: a profile that fixes one difficulty gets
     only that one, always unlocked; `carried`: the same rows of a kept-out candidate whose rollouts the
-    next round carries (an unsolved slice it solved with a tool call records `carried`: wins/n).
+    next round carries (an unsolved slice that `previous` taught or carried and that it solved with a
+    tool call records `carried`: wins/n).
     """
     config = config or CurriculumConfig()
     curriculum: dict[str, Any] = {}
@@ -140,6 +142,8 @@ def build_curriculum(
             continue
         levels = (difficulty,) if difficulty else DIFFICULTIES
         before = set((previous or {}).get(env, {}).get("unlocked", []))
+        taught = {row["slice"] for row in (previous or {}).get(env, {}).get("slices", []) if row.get("groups") or
+                  row.get("carried")}  # fmt: skip
         opened = before | {f"{c}/{levels[0]}" for c in categories}
         counts = _counts(env, [row for row in outcomes if row["source"] in sources], opened)
         rows, unlocked = [], set(opened)
@@ -149,8 +153,12 @@ def build_curriculum(
                 row = _classify(env, category, level, counts, config) | {"slice": name}
                 if name not in unlocked:
                     row |= {"class": "locked", "evidence": "locked"}
-                elif row["class"] == "unsolved" and (taught := _carried(carried, sources, category, level)):
-                    row["carried"] = taught
+                elif (
+                    row["class"] == "unsolved"
+                    and name in taught
+                    and (solved := _carried(carried, sources, category, level))
+                ):
+                    row["carried"] = solved
                 rows.append(row)
                 if row["class"] == "mastered" and harder:
                     unlocked.add(f"{category}/{harder}")
@@ -295,10 +303,13 @@ def _focus_teaching(cells: list[tuple[str, dict[str, Any]]], focus: int | None, 
     for env, row in unsolved if max_turns else []:
         row["teacher_turns"] = teacher_turns(env, row["slice"])
         row["turns"] = turn_budget(row["teacher_turns"] or 0, max_turns)
-    for _, row in unsolved:
-        if row.get("carried"):
-            row["weight"], row["waits"] = 0.0, f"carried: the kept-out candidate solved {row['carried']}"
-    unsolved = [(env, row) for env, row in unsolved if not row.get("carried")]
+    teachable = ("unsolved", "learnable")
+    others = any(row["weight"] for _, row in cells if row["class"] in teachable and not row.get("carried"))
+    if others:  # With nothing else to teach, the carried slices are taught anew.
+        for _, row in unsolved:
+            if row.get("carried"):
+                row["weight"], row["waits"] = 0.0, f"carried: the kept-out candidate solved {row['carried']}"
+        unsolved = [(env, row) for env, row in unsolved if not row.get("carried")]
     seen: Counter[tuple[str, tuple[int, int]]] = Counter()
     ranked = []  # (ease, the env's how-many-th at that ease, row): equally easy slices alternate envs.
     for env, row in unsolved:
@@ -318,13 +329,17 @@ def grpo_mix(curriculum: dict[str, Any], config: CurriculumConfig | None = None)
     """Per env, GRPO task weights on one scale across envs (GRPO draws an env's tasks in proportion to
     its weights' sum): learnability p(1 - p) of each learnable slice (p: the Wilson centre), so an env
     with nothing learnable gets no tasks. With nothing learnable anywhere, every unsolved slice alike
-    (SFT has just been shown them); with none of those either, every unlocked mastered one."""
+    (SFT has just been shown them, or their carried rows); with none of those either, every unlocked mastered
+    one."""
     config = config or CurriculumConfig()
     cells = [(env, row) for env, spec in curriculum.items() for row in spec["slices"]]
     weights = [round(learnability(row, config), 4) for _, row in cells]
     for fallback in ("unsolved", "mastered"):  # Only the slices the plan teaches (a waiting one got no data).
         if not any(weights):
-            weights = [float(row["class"] == fallback and row.get("weight", 1.0) > 0) for _, row in cells]
+            weights = [
+                float(row["class"] == fallback and (row.get("weight", 1.0) > 0 or bool(row.get("carried"))))
+                for _, row in cells
+            ]
     mix: dict[str, dict[str, float]] = {env: {} for env in curriculum}
     for (env, row), weight in zip(cells, weights, strict=True):
         mix[env][row["slice"]] = weight

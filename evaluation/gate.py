@@ -2,8 +2,9 @@
 
 Per-item successes of candidate and champion are paired by (env, item_id, the task's digest). The primary metric
 (overall agentic success) must improve with paired-bootstrap confidence; no guarded metric (each
-env's success rate, each lm-eval task's accuracy) may drop by more than `tolerance` with the same
-confidence (an env of 18 held-out items loses 0.056 with one item: noise, not a regression). The
+env's success rate, each lm-eval task's accuracy) may drop by more than `tolerance` when the same
+paired bootstrap is as sure that it dropped at all (an env of 18 held-out items loses 0.056 with one
+item: noise, not a regression). The
 decision and its numbers are stored as a `gate` artifact, and `champion` moves by compare-and-swap.
 """
 
@@ -24,8 +25,8 @@ class GateConfig(BaseModel):
     tolerance: float = Field(
         default=0.05,
         ge=0,
-        description="Max drop of any guarded metric; a larger one refuses the candidate when the bootstrap is "
-        "`confidence` sure of it.",
+        description="Max drop of any guarded metric; a larger one refuses the candidate when the paired "
+        "bootstrap is `confidence` sure it dropped at all.",
     )
     confidence: float = Field(
         default=0.9,
@@ -86,18 +87,23 @@ def decide(
         if keys:
             drops = [champion[group][k] - candidate[group][k] for k in keys]
             delta = -sum(drops) / len(keys)
-            p_worse = _p_positive(drops, rng, config.bootstrap) if delta < -config.tolerance else 0.0
+            p_worse = None  # A drop within the tolerance is allowed unexamined.
+            if delta < -config.tolerance:  # Its own stream: one guard's draws never move another's.
+                p_worse = round(_p_positive(drops, random.Random(f"{config.seed}:{group}"), config.bootstrap), 4)
             guards[group] = {
                 "delta": round(delta, 4),
                 "n": len(keys),
-                "p_worse": round(p_worse, 4),
-                "regressed": p_worse >= config.confidence,
+                "p_worse": p_worse,
+                "regressed": p_worse is not None and p_worse >= config.confidence,
             }
     regressed = [g for g, v in guards.items() if v["regressed"]]
     unguarded = sorted((set(candidate) | set(champion)) - set(guards) - {"primary"})  # No shared item: no guard.
     promote = mean > 0 and p_better >= config.confidence and not regressed
     if promote:
-        reason = f"primary +{mean:.3f} (P(better)={p_better:.2f}), no guard dropped more than {config.tolerance}"
+        reason = (
+            f"primary +{mean:.3f} (P(better)={p_better:.2f}), no guard dropped more than {config.tolerance} "
+            f"with P(worse) >= {config.confidence}"
+        )
     elif regressed:
         reason = (
             f"guarded metrics regressed beyond {config.tolerance} (P(worse) >= {config.confidence}): "

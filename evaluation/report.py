@@ -244,7 +244,7 @@ def _markdown(name: str, agentic: list[dict], lm_eval: dict[str, Any], slices: l
         if gate.get("guards"):
             lines += ["| guarded metric | change | n | P(worse) | regressed |", "|---|---|---|---|---|"]
             for metric, guard in sorted(gate["guards"].items()):
-                p_worse = guard.get("p_worse", "")  # Decisions from before guards were bootstrapped have none.
+                p_worse = "" if guard.get("p_worse") is None else guard["p_worse"]  # None: within the tolerance.
                 lines.append(f"| {metric} | {guard['delta']:+.3f} | {guard['n']} | {p_worse} | {guard['regressed']} |")
             lines.append("")
     return "\n".join(lines)

@@ -124,7 +124,8 @@ def run_round(store: ArtifactStore, n: int, p: RoundConfig, stage: StageCall) ->
     decision = store.read_json(decision_id, "decision.json")
     # The next curriculum follows the model the next round starts from (and what the champion's own rollouts showed);
     # a kept-out candidate's evals say which slices the rollouts the next round carries have taught.
-    mined, carried_evals = (evals, []) if decision["promote"] else (champion_evals, evals)
+    mined = evals if decision["promote"] else champion_evals
+    carried_evals = evals if carries(decision) else []
     stage("mine", round_no=n, evals=mined, previous=start.weaknesses, rollouts=rollouts, carried_evals=carried_evals)
     return stage("report", round_no=n, refs=round_refs(store, n)), decision
 
@@ -145,11 +146,19 @@ def plan_round(
 
 def sft_steps(plan: dict[str, Any] | None, p: RoundConfig, carried: int = 0) -> int | None:
     """SFT steps for a plan larger than `generate.groups` (mastered slices' replay comes on top) or with
-    `carried` groups of kept-out rounds: `sft.total_steps` scaled by the groups curated, so each row is seen
-    as often as in a round of `groups` (the taught slices' script is learnt in ~2 epochs, garbled in under
-    1). None: the config's."""
-    curated, groups = planned_groups(plan) + carried, p.generate.groups
-    return math.ceil(p.sft.total_steps * curated / groups) if curated > groups else None
+    `carried` groups of kept-out rounds: `sft.total_steps` scaled by the groups generated, so each row is
+    seen as often as in a round of `groups` (the taught slices' script is learnt in ~2 epochs, garbled in
+    under 1). No plan (a uniform curriculum): `groups` of its own. None: the config's."""
+    own = p.generate.groups if plan is None else planned_groups(plan)
+    generated, groups = own + carried, p.generate.groups
+    return math.ceil(p.sft.total_steps * generated / groups) if generated > groups else None
+
+
+def carries(decision: dict[str, Any]) -> bool:
+    """Whether the next round carries a kept-out round's rollouts: its candidate was better, not surely so
+    (no guard regressed). One kept out for a regression taught something harmful: nothing of it is kept."""
+    regressed = any(guard.get("regressed") for guard in decision.get("guards", {}).values())
+    return not decision["promote"] and decision.get("primary_delta", 0) > 0 and not regressed
 
 
 def carried_groups(store: ArtifactStore, carried: list[str]) -> int:
@@ -197,9 +206,9 @@ class RoundInputs(NamedTuple):
 
 
 def round_inputs(store: ArtifactStore, n: int, p: RoundConfig) -> RoundInputs:
-    """Round n's inputs from round n-1's gate decision and weaknesses artifact. A round n-1 kept out passes
-    on the rollouts its SFT set was curated from (its own and those it carried): its candidate's learning
-    goes into round n's SFT set instead of being generated again."""
+    """Round n's inputs from round n-1's gate decision and weaknesses artifact. A round n-1 kept out for
+    want of confidence (`carries`) passes on the rollouts its SFT set was curated from (its own and those
+    it carried): its candidate's learning goes into round n's SFT set instead of being generated again."""
     if n == 1:
         gate_id = store.resolve(f"gate/{round_name('gate', 0)}")
         weaknesses, made = store.try_resolve(f"weaknesses/{round_name('weaknesses', 0)}"), {}
@@ -211,7 +220,7 @@ def round_inputs(store: ArtifactStore, n: int, p: RoundConfig) -> RoundInputs:
         gate_id, weaknesses = made["gate"], made.get("weaknesses")
     decision = store.read_json(gate_id, "decision.json")
     carried = []
-    if not decision["promote"] and "dataset" in made:
+    if carries(decision) and "dataset" in made:
         carried = [ref for ref in store.manifest(made["dataset"]).parents if store.manifest(ref).kind == "rollouts"]
     base = decision["candidate"] if decision["promote"] else decision["champion_before"]
     models = {m.id for m in lineage(store, base).walk() if m.kind == "model"}

@@ -358,22 +358,36 @@ def test_teacher_data_goes_to_the_focus_easiest_slices_with_their_turn_budgets()
 
 
 def test_slices_a_kept_out_candidate_solved_with_a_call_are_carried_and_the_focus_moves_past_them() -> None:
-    """The champion solves nothing; the kept-out candidate solved `todo_report/easy` (1 of 2, with a call) and
-    `line_count/easy` only without a call (no sign): the first is carried - no teacher groups, not in the
-    focus - so the focus of 2 takes the next two easiest; a carried slice that unlocked is no concern."""
+    """The champion solves nothing; the kept-out round taught `todo_report/easy` and `line_count/easy`, and its
+    candidate solved the first with a call (1 of 2), the second only without one (no sign), and
+    `csv_summary/easy`, which it was not taught (no rows carry it): the first alone is carried - no teacher
+    groups, not in the focus - so the focus of 2 takes the next two easiest. With nothing else to teach, a
+    carried slice is taught anew, and GRPO draws it."""
     families = {"tool_use_chain": CATEGORIES, "swe_bench": ("off_by_one", "wrong_operator", "wrong_condition")}
-    candidate = outcomes({("todo_report", "easy"): (1, 2), ("line_count", "easy"): (1, 2)})
+    candidate = outcomes(
+        {("todo_report", "easy"): (1, 2), ("line_count", "easy"): (1, 2), ("csv_summary", "easy"): (1, 2)}
+    )
     for row in candidate:
-        row["acted"] = row["category"] == "todo_report"
-    curriculum = build_curriculum([], families, carried=candidate)
+        row["acted"] = row["category"] != "line_count"
+    taught_before = [{"slice": "todo_report/easy", "groups": 5}, {"slice": "line_count/easy", "groups": 5}]
+    previous = {"tool_use_chain": {"slices": taught_before, "unlocked": []}}
+    curriculum = build_curriculum([], families, previous=previous, carried=candidate)
     plan_generation(curriculum, groups=12, config=CurriculumConfig(focus=2), max_turns=6)
     rows = {row["slice"]: row for spec in curriculum.values() for row in spec["slices"]}
     assert rows["todo_report/easy"]["carried"] == "1/2" and rows["todo_report/easy"]["groups"] == 0
     assert rows["todo_report/easy"]["waits"] == "carried: the kept-out candidate solved 1/2"
-    assert "carried" not in rows["line_count/easy"]
+    assert "carried" not in rows["line_count/easy"] and "carried" not in rows["csv_summary/easy"]
     taught = sorted(name for name, row in rows.items() if row["groups"])
     assert taught == ["csv_summary/easy", "line_count/easy"]  # 3 calls each, before swe_bench's 5.
     assert "carried" not in build_curriculum([], families)["tool_use_chain"]["slices"][0]  # Nothing carried.
+    # The next round: the carried slice stays carried (its rows still come); alone, it is taught anew.
+    again = {"tool_use_chain": {"slices": [rows["todo_report/easy"]], "unlocked": []}}
+    alone = build_curriculum([], {"tool_use_chain": ("todo_report",)}, previous=again, carried=candidate)
+    plan = plan_generation(alone, groups=4, max_turns=6)
+    row = alone["tool_use_chain"]["slices"][0]
+    assert row["carried"] == "1/2" and row["groups"] == 4 and "waits" not in row
+    assert plan["tool_use_chain"]["teacher"]["mix"]["todo_report/easy"] == 4
+    assert grpo_mix(alone)["tool_use_chain"]["todo_report/easy"] == 1.0
 
 
 def test_focus_holds_only_while_the_champion_solves_nothing() -> None:

@@ -177,8 +177,8 @@ def test_a_guard_refuses_only_a_drop_beyond_the_tolerance_that_the_bootstrap_is_
     champion = outcomes(0, 20)
     within = decide(outcomes(10, 19), champion)
     assert within["promote"] and within["guards"] == {
-        "env/a": {"delta": 0.5, "n": 20, "p_worse": 0.0, "regressed": False},
-        "env/b": {"delta": -0.05, "n": 20, "p_worse": 0.0, "regressed": False},
+        "env/a": {"delta": 0.5, "n": 20, "p_worse": None, "regressed": False},
+        "env/b": {"delta": -0.05, "n": 20, "p_worse": None, "regressed": False},
     }
     unsure = decide(outcomes(10, 18), champion)
     assert unsure["promote"] and unsure["guards"]["env/b"]["delta"] == -0.1
@@ -190,6 +190,11 @@ def test_a_guard_refuses_only_a_drop_beyond_the_tolerance_that_the_bootstrap_is_
     assert abs(beyond["guards"]["env/b"]["p_worse"] - (1 - (17 / 20) ** 20)) < 0.02
     # The guard's confidence is the gate's: at 0.85, two items lost are sure enough to refuse.
     assert not decide(outcomes(10, 18), champion, GateConfig(confidence=0.85))["promote"]
+    # Each guard draws its own resamples: another guard's drop (sorted before it) leaves its P(worse) as it was.
+    another = {f"0:{i}": 1.0 for i in range(10)}
+    with_another = decide(outcomes(10, 18) | {"env/0": {k: 0.0 for k in another}}, champion | {"env/0": another})
+    assert with_another["guards"]["env/0"]["regressed"]
+    assert with_another["guards"]["env/b"]["p_worse"] == unsure["guards"]["env/b"]["p_worse"]
 
 
 def test_a_metric_without_shared_items_is_reported_unguarded() -> None:

@@ -127,7 +127,8 @@ def test_every_artifact_and_its_lineage_is_in_the_s3_store(full_round: dict) -> 
     rollouts = store.manifest("rollouts/rollouts-r1")
     screened = {name for kind, name in walked if kind == "candidates"}
     assert len(rollouts.params["shards"]) == 2  # 4 groups: 2 + 2.
-    assert screened == {f"sft-r1-screened-tool_use_chain-teacher-0000{n}" for n in range(2)}  # A shard each.
+    parts = {f"tool_use_chain-teacher-0000{n}" for n in range(2)}  # A shard each.
+    assert screened == {f"sft-r1-screened-rollouts-r1-{part}" for part in parts}
     assert store.verify() == []
     assert store.fs.exists(f"{store.root}/prefect-results")  # The stage cache lives with the artifacts.
 

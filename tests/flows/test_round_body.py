@@ -134,7 +134,7 @@ def test_a_kept_out_round_carries_its_rollouts_and_the_focus_moves_on(tmp_path: 
     """Round 1's candidate solves 1 of 12 `todo_report/easy` items (P(better) ~0.6: kept out), round 2's as
     well: round 2 curates round 1's rollouts again beside its own, round 3 both rounds', each SFT's steps
     grow with them; the slice they taught is `carried` (no new teacher groups), the champion's evals stay
-    the bar, and once a round is promoted nothing is carried."""
+    the bar, and once a round is promoted nothing is carried, nor after a round that was surely worse."""
     store = ArtifactStore(tmp_path)
     store.put("model", "tiny", {"config.json": "{}"})
     one = {("todo_report", "easy"): 1}
@@ -164,7 +164,10 @@ def test_a_kept_out_round_carries_its_rollouts_and_the_focus_moves_on(tmp_path: 
     assert run_round(store, 3, CONFIG, stage)[1]["promote"]  # line_count/easy: 12 of 12.
     assert set(dict(calls)["curate"]["carried"]) == {r1, store.resolve("rollouts/rollouts-r2")}
     calls.clear()
-    run_round(store, 4, CONFIG, stage)
-    assert dict(calls)["curate"]["carried"] == []
-    mined_r3 = store.manifest("weaknesses/weaknesses-r3")
-    assert "carried_evals" not in mined_r3.params
+    decision = run_round(store, 4, CONFIG, stage)[1]  # Round 4's candidate solves nothing: surely worse.
+    assert dict(calls)["curate"]["carried"] == [] and not decision["promote"] and decision["primary_delta"] < 0
+    assert "carried_evals" not in store.manifest("weaknesses/weaknesses-r3").params
+    assert "carried_evals" not in store.manifest("weaknesses/weaknesses-r4").params
+    calls.clear()
+    run_round(store, 5, CONFIG, stage)
+    assert dict(calls)["curate"]["carried"] == []  # A round kept out for a regression passes nothing on.
