@@ -196,6 +196,15 @@ def test_curation_screened_in_shards_makes_the_same_datasets(tmp_path: Path) -> 
         assert list(read_rows(store, b.id, kind)) == list(read_rows(store, a.id, kind))
     assert sharded[0].metrics == whole[0].metrics and whole[0].metrics["removed"]["near_duplicate"] == 1
     assert {store.manifest(p).kind for p in sharded[0].parents} == {"rollouts", "evalset", "candidates"}
+    # A round that carries a kept-out round's rollouts curates two artifacts of the same part names: a
+    # screened ref each, and the same rows as in one pass.
+    store.put("rollouts", "r2", {"tool_use_chain-teacher.jsonl": json.dumps(group("g9", [(convo("New", "a"), 1.0)]))})
+    both = ["rollouts/r2", "rollouts/r1"]
+    whole = curate_to_store(store, both, "sft-whole-2", "pairs-whole-2")
+    sharded = curate_to_store(store, both, "sft-sharded-2", "pairs-sharded-2", map_shards=in_turn)
+    assert list(read_rows(store, sharded[0].id, "sft")) == list(read_rows(store, whole[0].id, "sft"))
+    screened = [store.manifest(p).name for p in sharded[0].parents if store.manifest(p).kind == "candidates"]
+    assert len(screened) == len(set(screened)) == 6 and "sft-sharded-2-screened-r2-tool_use_chain-teacher" in screened
 
 
 def test_a_bad_rollout_line_fails_clearly_and_stores_nothing(store: ArtifactStore) -> None:
