@@ -274,7 +274,7 @@ def make_task(rng: random.Random, category: str, difficulty: str, split: str = "
         specs = [f.spec() for f in functions]
         if split_of(specs, request) == split:
             break
-    listing = rng.choice(LISTINGS)  # Drawn last: the task itself is what the seed made before.
+    listing = rng.choice(LISTINGS)  # Drawn after the task: a seed makes the same task in either listing.
     return {
         "prompt": user_prompt(specs, request, listing=listing),
         "request": request,
