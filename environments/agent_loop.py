@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 from flywheel.environments.agent.messages import messages_with_json_arguments
 from flywheel.environments.agent.tools import TOOLSETS, Tool, defined_tools
-from flywheel.environments.errors import AgentError, InfraError, ToolParseError
+from flywheel.environments.errors import AgentError, ContextFull, InfraError, ToolParseError
 from flywheel.environments.tool_call_parsers import ParsedToolCall, get_parser
 from flywheel.environments.tool_context import ToolContext
 
@@ -50,6 +50,10 @@ _SURROGATES = re.compile(r"[\ud800-\udfff]")
 # What servers say when *they* failed to parse the model's tool call (transformers' response
 # parser: "json parser could not parse region as JSON"; others name the tool call).
 _SERVER_PARSE_ERROR = re.compile(r"could not parse region|tool.?call.{0,60}pars|pars\w*.{0,60}tool.?call", re.I | re.S)
+# A request longer than the model's context, in the words of `transformers serve` ("The prompt has N
+# tokens, but the model takes at most M") and of vLLM ("This model's maximum context length is M",
+# "is longer than the maximum model length of M").
+_CONTEXT_FULL = re.compile(r"model takes at most \d+|maximum context length|maximum model length", re.I)
 
 
 class ChatServer(Protocol):
@@ -83,6 +87,7 @@ class AgentResult:
     turns_used: int = 0
     finished_naturally: bool = False
     stuck: bool = False
+    context_full: bool = False  # The conversation outgrew the model's context: the episode ended there.
     tool_errors: list[ToolError] = field(default_factory=list)
     infra_error: str | None = None
     completion_tokens: int = 0
@@ -166,6 +171,9 @@ class HermesAgentLoop:
         for turn in range(self.max_turns):
             try:
                 reply = await self._complete(result.messages)
+            except ContextFull:  # Like running out of turns: the episode ends, the verifier judges it.
+                result.context_full = True
+                return
             except ToolParseError as err:  # The server choked on the model's tool call: the model's reply.
                 result.turns_used = turn + 1
                 error = sanitize(str(err))
@@ -239,7 +247,8 @@ class HermesAgentLoop:
         return False
 
     async def _complete(self, messages: list[dict[str, Any]]) -> Any:
-        """The server's reply; `ToolParseError` if the server could not parse the model's tool call.
+        """The server's reply; `ToolParseError` if the server could not parse the model's tool call,
+        `ContextFull` if the conversation no longer fits the model's context.
 
         Raises `InfraError` only when the server is down, times out, or fails a well-formed request
         on both its chat and (with `render_prompt`) its raw completion endpoint.
@@ -259,11 +268,13 @@ class HermesAgentLoop:
         for attempt in range(self.inference_retries + 1):
             try:
                 return await self.server.chat_completion(**kwargs)
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, ContextFull):
                 raise
             except Exception as err:  # Transport, HTTP 5xx, timeouts: the server's classes vary.
                 last = _root_cause(err)
             detail = _http_error_detail(last)
+            if detail is not None and _CONTEXT_FULL.search(detail):  # The model's own doing, not infra's.
+                raise ContextFull(detail[:500])
             if detail is not None and _SERVER_PARSE_ERROR.search(detail):
                 raise ToolParseError(f"the server could not parse your tool call: {detail[:500]}")
             if detail is not None and self.render_prompt is not None and hasattr(self.server, "completion"):

@@ -1,4 +1,5 @@
-"""Errors of an agent rollout. Only `InfraError` stops a rollout; the others go back to the model."""
+"""Errors of an agent rollout. `InfraError` drops a rollout and `ContextFull` ends it; the others go
+back to the model."""
 
 
 class AgentError(Exception):
@@ -15,6 +16,11 @@ class ToolCallError(AgentError):
 
 class SandboxViolation(ToolCallError):
     """The agent tried to leave its workspace (path escape, symlink out)."""
+
+
+class ContextFull(AgentError):
+    """The conversation no longer fits the model's context: the episode ends and is scored, like one
+    out of turns. Dropped as infra, it would let a policy escape a failing score by talking long."""
 
 
 class InfraError(AgentError):

@@ -64,12 +64,14 @@ def sample_pairs(
 ) -> list[dict[str, Any]]:
     """Online pairs: a group of env-loop rollouts per task by the policy, best vs worst where they differ."""
     from flywheel.training.grpo import policy_envs, task_dataset
-    from flywheel.training.rollouts import PolicyServer
+    from flywheel.training.rollouts import PolicyServer, model_context
 
     agents = policy_envs(cfg, envs, model_dir, tokenizer)
     _, tasks = task_dataset(agents, cfg.num_tasks)
     pairs = []
-    with PolicyServer(lambda: model, tokenizer, cfg.sampling_top_k(), cfg.max_completion_length) as server:
+    policy = PolicyServer(lambda: model, tokenizer, cfg.sampling_top_k(), cfg.max_completion_length,
+                          context=model_context(model))  # fmt: skip
+    with policy as server:
         groups = []
         for task in my_share(list(tasks.values())):
             task.env.server = server

@@ -36,8 +36,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from flywheel.environments.errors import ContextFull
 from flywheel.inference import reachable_host
-from flywheel.training.rollouts import PolicyServer
+from flywheel.training.rollouts import PolicyServer, model_context
 from flywheel.training.trajectory_api import logprobs_from_json, logprobs_to_json
 
 logger = logging.getLogger(__name__)
@@ -81,8 +82,11 @@ class PolicyEndpoint:
 
         generator = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         generator.requires_grad_(False)
-        server = PolicyServer(lambda: generator, tokenizer, top_k, max_new_tokens, prefix_sharing=False)
-        return cls(server, int(generator.config.vocab_size), host)
+        context = model_context(generator)
+        server = PolicyServer(
+            lambda: generator, tokenizer, top_k, max_new_tokens, prefix_sharing=False, context=context
+        )
+        return cls(server, int(generator.config.vocab_size), host, max_prompt_len=context and context - 1)
 
     @classmethod
     def on_vllm(cls, trainer: Any, max_new_tokens: int, host: str = "127.0.0.1") -> PolicyEndpoint:
@@ -92,8 +96,7 @@ class PolicyEndpoint:
             raise ValueError("rl_mode=atropos keeps the engine awake while training: turn vLLM's sleep mode off")
         server = PolicyServer.of_trainer(trainer, max_new_tokens)
         vocab_size = int(trainer.accelerator.unwrap_model(trainer.model).config.vocab_size)
-        context = int(generation.llm.llm_engine.model_config.max_model_len)
-        endpoint = cls(server, vocab_size, host, max_prompt_len=context - 1, engine_load=generation.sync_weights,
+        endpoint = cls(server, vocab_size, host, max_prompt_len=server.context - 1, engine_load=generation.sync_weights,
                        step=lambda: trainer.state.global_step)  # fmt: skip
         generation.sync_weights = endpoint.load_into_engine  # TRL calls it from the training loop.
         return endpoint
@@ -186,9 +189,9 @@ class PolicyEndpoint:
             # One bad id would fail the generation step every request in flight shares.
             return web.json_response({"error": "bad request: empty prompt, an id outside the vocabulary, "
                                       "max_tokens < 1 or a negative temperature"}, status=400)  # fmt: skip
-        if self.max_prompt_len is not None and len(prompt_ids) > self.max_prompt_len:
-            return web.json_response({"error": f"bad request: a prompt of {len(prompt_ids)} tokens, over the "
-                                      f"engine's {self.max_prompt_len}"}, status=400)  # fmt: skip
+        if self.max_prompt_len is not None and len(prompt_ids) > self.max_prompt_len:  # The worker's `ContextFull`.
+            return web.json_response({"error": f"a prompt of {len(prompt_ids)} tokens, over the engine's "
+                                      f"{self.max_prompt_len}"}, status=413)  # fmt: skip
         new, logprobs = await self.server.generate(prompt_ids, temperature, max_new, seed)
         self.served += 1
         logprobs = logprobs_to_json(logprobs) if logprobs is not None else None
@@ -212,6 +215,8 @@ class RemotePolicy:
             self._session = aiohttp.ClientSession(timeout=self.timeout)
         body = {"prompt_ids": prompt_ids, "max_tokens": max_new, "temperature": temperature, "seed": seed}
         async with self._session.post(f"{self.url}/generate", json=body) as response:
+            if response.status == 413:  # The conversation outgrew the engine's context: the episode ends.
+                raise ContextFull(f"policy endpoint: {await response.text()}")
             if response.status != 200:
                 raise RuntimeError(f"policy endpoint {self.url}: HTTP {response.status}: {await response.text()}")
             reply = await response.json()

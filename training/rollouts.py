@@ -52,6 +52,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import Con
 
 from flywheel.data.costs import return_free_heap
 from flywheel.environments.agent.messages import messages_with_dict_arguments
+from flywheel.environments.errors import ContextFull
 from flywheel.environments.hermes_base_env import HermesAgentBaseEnv
 
 logger = logging.getLogger(__name__)
@@ -159,6 +160,7 @@ class PolicyServer:
         device: Any = None,
         remote: Any = None,
         prefix_sharing: bool = True,
+        context: int | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -168,6 +170,7 @@ class PolicyServer:
         self.device = device  # The rank's device: vLLM generates on it from a worker thread.
         self.remote = remote  # A `RemotePolicy`: the trainer's weights behind an endpoint (atropos mode).
         self.prefix_sharing = prefix_sharing  # Off where the weights change under running generation loops.
+        self.context = context  # Tokens the model takes, prompt and reply; a longer conversation is `ContextFull`.
         self.servers: list[Any] = []  # atroposlib's `ServerManager` surface (an env's serve loop reads it): none.
         self._model_lock = threading.Lock()  # One vLLM generate at a time.
         self._turnstile = threading.Lock()  # Held by a weight load waiting for the engine: no new batch starts.
@@ -183,13 +186,17 @@ class PolicyServer:
     @classmethod
     def of_trainer(cls, trainer: Any, max_new_tokens: int) -> PolicyServer:
         """The policy a TRL trainer is training (its vLLM engine when the trainer uses one)."""
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        vllm = trainer.vllm_generation if getattr(trainer, "use_vllm", False) else None
+        context = model_context(model) if vllm is None else int(vllm.llm.llm_engine.model_config.max_model_len)
         return cls(
             lambda: trainer.accelerator.unwrap_model(trainer.model),
             trainer.processing_class,
             trainer.args.top_k,
             max_new_tokens,
-            vllm=trainer.vllm_generation if getattr(trainer, "use_vllm", False) else None,
+            vllm=vllm,
             device=trainer.accelerator.device,
+            context=context,
         )
 
     def __enter__(self) -> PolicyServer:
@@ -246,6 +253,8 @@ class PolicyServer:
         max_new = min(int(kwargs.get("max_tokens") or self.max_new_tokens), self.max_new_tokens)
         temperature = float(kwargs.get("temperature", 1.0))
         try:
+            if self.context is not None and len(prompt_ids) >= self.context:  # vLLM would fail the whole batch.
+                raise ContextFull(f"a conversation of {len(prompt_ids)} tokens: the model takes {self.context}")
             if self.remote is not None:
                 new, logprobs, version = await self.remote.generate(prompt_ids, temperature, max_new, seed)
                 if trajectory is not None:
@@ -410,6 +419,12 @@ class PolicyServer:
                 request.new = list(new)[: request.max_new]
                 if sampled is not None:  # Per token, the sampled token's first: TRL asks vLLM for no more.
                     request.logprobs = [math.nan if lp[0] is None else lp[0] for lp in sampled][: request.max_new]
+
+
+def model_context(model: Any) -> int | None:
+    """The tokens a transformers model takes, prompt and reply (its position embeddings), where it says."""
+    length = getattr(model.config, "max_position_embeddings", None)
+    return int(length) if isinstance(length, int) else None
 
 
 def draw_seed() -> int:

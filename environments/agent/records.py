@@ -59,6 +59,7 @@ def eval_sample(item: Item, result: AgentResult, reward: float | None) -> dict[s
             "turns_used": result.turns_used,
             "finished_naturally": result.finished_naturally,
             "stuck": result.stuck,
+            "context_full": result.context_full,
             "tool_errors": [e.__dict__ for e in result.tool_errors],
             "messages": result.messages,
         }
@@ -75,6 +76,7 @@ def eval_metrics(samples: list[dict[str, Any]]) -> dict[str, float]:
         "eval/mean_turns": sum(s["turns_used"] for s in scored) / n,
         "eval/tool_errors_per_rollout": sum(len(s["tool_errors"]) for s in scored) / n,
         "eval/stuck_rate": sum(bool(s.get("stuck")) for s in scored) / n,
+        "eval/context_full_rate": sum(bool(s.get("context_full")) for s in scored) / n,
         "eval/infra_failures": float(len(samples) - len(scored)),
         "eval/infra_failure_rate": (len(samples) - len(scored)) / (len(samples) or 1),
         "eval/n": float(len(samples)),

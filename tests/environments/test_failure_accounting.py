@@ -27,9 +27,19 @@ UNTERMINATED = '<tool_call>{"name": "write_file", "arguments": {"path": "a.txt",
 PARSE_ERROR = 'json parser could not parse region as JSON.\nContent: \'{"name": "write_file"...\''
 
 
+# The 400s of a conversation longer than the model's context, as each server words it.
+CONTEXT_FULL = {
+    "transformers-full": {"detail": "The prompt has 8300 tokens, but the model takes at most 8192, prompt and answer "
+                          "(`--max-model-len`)."},
+    "vllm-full": {"object": "error", "message": "This model's maximum context length is 8192 tokens. However, you "
+                  "requested 8300 tokens (8044 in the messages, 256 in the completion).", "code": 400},
+}  # fmt: skip
+
+
 class _Model:
     """What the fake server answers. `mode`: `transformers` (opaque 500 on a malformed call, raw text
-    on /v1/completions), `named` (a 500 whose body names the parse failure), `broken` (500 always)."""
+    on /v1/completions), `named` (a 500 whose body names the parse failure), `broken` (500 always),
+    or a `CONTEXT_FULL` server (its 400 always)."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -42,6 +52,8 @@ class _Model:
         self.requests.append(path)
         if self.mode == "broken":
             return 500, "Internal Server Error"
+        if self.mode in CONTEXT_FULL:
+            return 400, CONTEXT_FULL[self.mode]
         if path.endswith("/chat/completions"):
             text = self.reply(sum(m["role"] == "assistant" for m in body["messages"]))
             if text.startswith("<tool_call>"):  # The server's own tool parser raises on it.
@@ -121,6 +133,16 @@ def test_a_tool_call_the_server_cannot_parse_is_the_models_reply_and_only_a_fail
 
     down = _run(url.replace(url.split(":")[-1].split("/")[0], "9"))  # Nothing listens on port 9.
     assert down.infra_error and "Connection" in down.infra_error
+
+
+@pytest.mark.parametrize("server", sorted(CONTEXT_FULL))
+def test_a_conversation_over_the_models_context_ends_the_episode_not_as_infra(serve: Any, server: str) -> None:
+    """A policy must not escape a failing score by talking past its context: the episode ends there and is
+    judged, with no retry (the same request would fail the same way)."""
+    url, model = serve(server)
+    result = _run(url)
+    assert result.infra_error is None and result.context_full and not result.finished_naturally
+    assert result.turns_used == 0 and model.requests == ["/v1/chat/completions"]
 
 
 def test_a_model_that_writes_an_unterminated_tool_call_scores_0_not_none(

@@ -19,6 +19,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from flywheel.data import ArtifactStore
+from flywheel.environments.errors import ContextFull
 from flywheel.training.env_fleet import EnvFleet
 from flywheel.training.grpo import GRPORunConfig
 from flywheel.training.policy_endpoint import PolicyEndpoint, RemotePolicy
@@ -146,7 +147,10 @@ def test_the_endpoint_serves_the_synced_weights_with_their_version(tiny_model: P
         endpoint.max_prompt_len = 3  # As an engine with a 4-token context: no room for one more.
         refused = httpx.post(f"{endpoint.url}/generate", json={"prompt_ids": [1, 2, 3, 4], "max_tokens": 4,
                                                                "temperature": 1, "seed": 1})  # fmt: skip
-        assert refused.status_code == 400 and "a prompt of 4 tokens, over the engine's 3" in refused.json()["error"]
+        assert refused.status_code == 413 and "a prompt of 4 tokens, over the engine's 3" in refused.json()["error"]
+        remote = RemotePolicy(endpoint.url)
+        with pytest.raises(ContextFull, match="over the engine's 3"):  # The worker's episode ends there, scored.
+            asyncio.run(twice())
 
 
 def test_the_trainer_checks_the_sandbox_only_where_its_workers_run(
@@ -213,6 +217,7 @@ import os, signal, sys
 import psutil
 from transformers import TrainerCallback
 from flywheel.data import ArtifactStore
+from flywheel.environments.errors import ContextFull
 from flywheel.training.grpo import GRPORunConfig, run_grpo
 
 class Kills(TrainerCallback):

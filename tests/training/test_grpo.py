@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from flywheel.data import ArtifactStore
+from flywheel.environments.errors import ContextFull
 from flywheel.environments.registry import env_class
 from flywheel.environments.tool_context import live_task_ids
 from flywheel.training.config import ConfigError, load_config
@@ -503,6 +504,41 @@ def test_vllm_generates_on_the_ranks_own_device_from_its_worker_thread(tiny_mode
     reply = asyncio.run(server.chat_completion([{"role": "user", "content": "Hi"}], temperature=1.0))
     assert reply.usage.completion_tokens == 1
     assert bound == [(False, "cuda:3")]
+
+
+def test_a_conversation_over_the_context_ends_its_episode_and_spares_the_batch(tiny_model: Path) -> None:
+    """vLLM fails a whole batch for one prompt over its context: that conversation's episode ends (scored,
+    not an infra failure) before it reaches the engine, and the rollouts beside it are served."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from flywheel.environments.agent_loop import HermesAgentLoop
+    from flywheel.training.rollouts import model_context
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    context = 48
+
+    class Engine:  # As vLLM: one prompt over the context fails every prompt of the batch.
+        def generate(self, prompts, images, n):  # type: ignore[no-untyped-def]
+            if any(len(p) >= context for p in prompts):
+                raise ValueError("The decoder prompt is longer than the maximum model length")
+            return prompts, [[tokenizer.eos_token_id]] * len(prompts), [[[-0.25]]] * len(prompts), None
+
+    server = PolicyServer(lambda: None, tokenizer, top_k=0, max_new_tokens=4, vllm=Engine(), context=context)
+
+    def loop(words: int) -> HermesAgentLoop:
+        return HermesAgentLoop(server, [], set(), max_turns=3, task_id=f"context-{words}", temperature=1.0)
+
+    async def both() -> list[Any]:
+        messages = [[{"role": "user", "content": " ".join(["word"] * words)}] for words in (2, 80)]
+        return await asyncio.gather(*(loop(len(m[0]["content"])).run(m) for m in messages))
+
+    short, long = asyncio.run(both())
+    assert short.infra_error is None and short.finished_naturally and not short.context_full
+    assert long.infra_error is None and long.context_full and long.turns_used == 0 and not long.finished_naturally
+    with pytest.raises(ContextFull, match="the model takes 48"):
+        asyncio.run(server.chat_completion([{"role": "user", "content": "word " * 80}], temperature=1.0))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert model_context(model) == model.config.max_position_embeddings > 0  # The in-process policy's bound.
 
 
 def test_a_weight_load_waits_for_the_vllm_batch_in_flight_and_goes_before_the_next(tiny_model: Path) -> None:

@@ -124,6 +124,11 @@ class LLM:
     def generate(self, prompts: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:  # fmt: skip
         params = sampling_params or SamplingParams()
+        limit = self.llm_engine.model_config.max_model_len
+        for prompt in prompts:  # As vLLM's input check: one prompt over the context fails the whole call.
+            if len(prompt["prompt_token_ids"]) > limit:
+                raise ValueError(f"The decoder prompt (length {len(prompt['prompt_token_ids'])}) is longer than the "
+                                 f"maximum model length of {limit}.")  # fmt: skip
         outputs = []
         for index, prompt in enumerate(prompts):
             ids = list(prompt["prompt_token_ids"])
