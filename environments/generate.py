@@ -20,7 +20,6 @@ from pydantic import BaseModel, Field
 
 from flywheel.data import ArtifactStore, Manifest
 from flywheel.data.columnar import ShardMap, format_params, rollouts_to_shards, shard_paths, splits
-from flywheel.environments.agent.servers import server_configs
 from flywheel.environments.registry import env_class, env_name
 
 
@@ -171,6 +170,8 @@ def _params(parts: list[GenerationPart], group_size: int, seed: int) -> dict[str
 
 def run_part(part: GenerationPart, out: Path, *, group_size: int, tokenizer: str, seed: int) -> dict[str, Any]:
     """One part in `process` mode into `out` (JSONL); its stats."""
+    from flywheel.environments.agent.servers import server_configs  # atroposlib: only where envs run.
+
     servers = server_configs(part.base_url, part.model_name or "teacher", part.api_key_env) if part.base_url else None
     env = env_class(part.env)(
         server_configs=servers,

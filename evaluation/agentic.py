@@ -23,7 +23,6 @@ from pydantic import BaseModel, Field
 
 from flywheel.data import ArtifactStore, Manifest
 from flywheel.environments.agent.records import content_digest
-from flywheel.environments.agent.servers import server_configs
 from flywheel.environments.registry import TASK_FAMILIES, categories_of, env_class, env_name
 from flywheel.environments.sandbox.box import isolation_report
 
@@ -134,6 +133,8 @@ def run_agentic_eval(
 
 def _env_config(cfg: AgenticEvalConfig, name: str, out: str) -> dict[str, Any]:
     """One env's evaluation settings: the round's slice, reply and turn caps, its share of the concurrency."""
+    from flywheel.environments.agent.servers import server_configs  # atroposlib: only where envs run.
+
     config: dict[str, Any] = {
         "server_configs": server_configs(cfg.base_url, cfg.model_name, cfg.api_key_env),
         "tokenizer_name": cfg.tokenizer,

@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 
 from flywheel.data import ArtifactStore
 from flywheel.training.atropos_mode import serve_env_workers
-from flywheel.training.grpo import GRPORunConfig
+from flywheel.training.grpo_config import GRPORunConfig
 from flywheel.training.models import resolve_model
 
 logger = logging.getLogger(__name__)

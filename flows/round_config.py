@@ -29,7 +29,7 @@ from flywheel.evaluation.gate import GateConfig
 from flywheel.evaluation.lm_eval_runner import LMEvalConfig
 from flywheel.training.config import ConfigError, error_message, read_config, validate_config
 from flywheel.training.device import DeviceChoice
-from flywheel.training.grpo import GRPORunConfig
+from flywheel.training.grpo_config import GRPORunConfig
 from flywheel.training.memory import (
     FIT_SHARE,
     GB,
@@ -40,7 +40,7 @@ from flywheel.training.memory import (
     model_shape,
     training_memory,
 )
-from flywheel.training.sft import SFTRunConfig
+from flywheel.training.sft_config import SFTRunConfig
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
 _FORBID = ConfigDict(extra="forbid")

@@ -29,7 +29,7 @@ from flywheel.flows.heartbeats import end_heartbeats_without_waiting
 from flywheel.flows.infra import GPU_LIMIT, limit_exists
 from flywheel.flows.round_config import RoundConfig
 from flywheel.flows.shards import shard_map
-from flywheel.flows.ui import EvalProgress, ProgressArtifact, artifact_link, markdown, metrics_table, stage_run_name
+from flywheel.flows.ui import EvalProgress, artifact_link, markdown, metrics_table, stage_run_name
 from flywheel.flows.work import (
     CurateParams,
     EvaluateParams,
@@ -107,6 +107,8 @@ def rl(params: RLParams) -> str:
 
 def _train(stage: str, params: SFTParams | RLParams, train: Callable[..., Manifest]) -> str:
     """A training stage on its GPU slots, its steps as a progress bar, a link to the checkpoint."""
+    from flywheel.flows.training_progress import ProgressArtifact  # transformers: the training stages' own.
+
     with gpu_slots(params.config):
         progress = ProgressArtifact(f"{stage}-progress", f"{stage.upper()} steps, round {params.round_no}")
         manifest = train(params, callbacks=[progress])

@@ -27,17 +27,16 @@ from flywheel.evaluation.gate import gate as run_gate
 from flywheel.evaluation.lm_eval_runner import LMEvalConfig, model_ref_of, run_lm_eval
 from flywheel.evaluation.report import build_report
 from flywheel.evaluation.weakness import CurriculumSpec, mine_to_store
-from flywheel.flows.env_workers import DeployedWorkers
 from flywheel.flows.round_config import RoundConfig
 from flywheel.inference import ModelServer, ServerConfig
 from flywheel.inference.server import gpu_python
 from flywheel.training.config import TrainConfig
 from flywheel.training.device import DeviceSettings
-from flywheel.training.grpo import GRPORunConfig
+from flywheel.training.grpo_config import GRPORunConfig
 from flywheel.training.launch import launch, run_logged
 from flywheel.training.models import resolve_model
 from flywheel.training.registry import run_training
-from flywheel.training.sft import NoExampleFits, SFTRunConfig
+from flywheel.training.sft_config import SFTRunConfig
 
 logger = logging.getLogger(__name__)
 SEED_OFFSETS = {"teacher": 0, "policy": 500_000}  # Training streams; held-out items use eval_seed 1,000,000.
@@ -221,6 +220,8 @@ def sft(params: SFTParams, callbacks: list[Any] | None = None) -> Manifest:
     """Supervised fine-tuning (TRL SFTTrainer) on the curated set; an empty set (every rollout of the
     round failed) or one whose conversations all exceed `sft_max_length` trains nothing and passes
     the base on to GRPO, with a warning."""
+    from flywheel.training.sft import NoExampleFits  # The trainer's module: transformers and TRL.
+
     store = params.store()
     if store.manifest(params.dataset).metrics.get("sft_examples", 1) == 0:
         logger.warning("round %d: the curated SFT set is empty: no SFT, GRPO starts from the base", params.round_no)
@@ -236,6 +237,8 @@ def sft(params: SFTParams, callbacks: list[Any] | None = None) -> Manifest:
 def rl(params: RLParams, callbacks: list[Any] | None = None) -> Manifest:
     """GRPO in the round's environment, KL to the SFT checkpoint; atropos mode's env workers in a run of
     `rl.env_workers_deployment` when it is set."""
+    from flywheel.flows.env_workers import DeployedWorkers  # Atropos mode's machinery: the trainer's imports.
+
     cfg = rl_config(params)
     if cfg.env_workers_deployment:
         return _train(cfg, params, callbacks, env_workers=DeployedWorkers(cfg, params.store().url))

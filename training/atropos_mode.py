@@ -24,7 +24,8 @@ from transformers import AutoConfig, TrainerCallback
 
 from flywheel.environments.sandbox.box import isolation_available
 from flywheel.training.env_fleet import EnvFleet
-from flywheel.training.grpo import GRPORunConfig, weighted_envs
+from flywheel.training.grpo import weighted_envs
+from flywheel.training.grpo_config import GRPORunConfig
 from flywheel.training.policy_endpoint import PolicyEndpoint
 from flywheel.training.run_logs import RunDir
 from flywheel.training.trajectory_api import GroupQueue, RunApi, atropos_rollout_func

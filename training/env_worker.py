@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.environments.hermes_base_env import HermesAgentBaseEnv
-from flywheel.training.grpo import GRPORunConfig, on_policy_tokenizer, policy_env
+from flywheel.training.grpo import on_policy_tokenizer, policy_env
+from flywheel.training.grpo_config import GRPORunConfig
 from flywheel.training.policy_endpoint import RemotePolicy
 from flywheel.training.rollouts import Outcome, PolicyServer, Task, mix_seed, retokenized, run_rollouts, sampled
 from flywheel.training.trajectory_api import UNKNOWN_LOGPROB, logprobs_to_json

@@ -36,12 +36,12 @@ class Algorithm:
 
 ALGORITHMS: dict[str, Algorithm] = {
     "sft": Algorithm(
-        "flywheel.training.sft:SFTRunConfig",
+        "flywheel.training.sft_config:SFTRunConfig",
         "flywheel.training.sft:run_sft",
         "Supervised fine-tuning on a curated dataset artifact.",
     ),
     "grpo": Algorithm(
-        "flywheel.training.grpo:GRPORunConfig",
+        "flywheel.training.grpo_config:GRPORunConfig",
         "flywheel.training.grpo:run_grpo",
         "Online RL (GRPO) on the environments, KL to a reference.",
     ),

@@ -18,34 +18,16 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
-
 from flywheel.data import ArtifactStore, Manifest
 from flywheel.data.columnar import read_rows
 from flywheel.training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
-from flywheel.training.config import TrainConfig
 from flywheel.training.distributed import training_arguments
 from flywheel.training.models import TRAINING_TEMPLATE_FILE, resolve_model
 from flywheel.training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
 from flywheel.training.schedule import warming_up_from_the_first_step
+from flywheel.training.sft_config import SFTRunConfig
 
 logger = logging.getLogger(__name__)
-
-
-class SFTRunConfig(TrainConfig):
-    """One SFT run: the shared training knobs plus what to train on."""
-
-    algorithm: Literal["sft"] = Field(default="sft", description="Always sft.")
-    dataset: str = Field(description="Store ref of a curated `dataset` artifact, or a local JSONL file.")
-    learning_rate: float = Field(default=5e-5, gt=0, description="Peak learning rate.")
-    batch_size: int = Field(default=8, ge=1, description="Per-device batch size.")
-    total_steps: int = Field(default=20, ge=1, description="Optimizer steps.")
-    max_length: int = Field(default=1024, ge=16, description="Tokens per example (see `overlong`).")
-    overlong: Literal["drop", "truncate"] = Field(
-        default="drop",
-        description="A longer example: left out (a cut multi-turn conversation never shows its answer), or cut.",
-    )
-    output_name: str = Field(default="sft", description="Name of the checkpoint artifact.")
 
 
 def load_rows(store: ArtifactStore, dataset: str) -> tuple[list[dict[str, Any]], str | None]:

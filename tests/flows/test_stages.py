@@ -3,6 +3,8 @@ new row is enough for the round's stage calls, the cache, the plan and deploymen
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from pydantic import Field
@@ -20,6 +22,18 @@ def test_a_stage_its_flow_and_its_work_share_one_name() -> None:
     for name, stage in STAGES.items():
         assert stage.name == name == stage.flow.name == stage.flow.fn.__name__ == stage.work.__name__, name
         assert stage.deployment == f"{name}/stage"
+
+
+def test_a_stage_process_and_a_round_config_load_no_trainer_or_env_library() -> None:
+    """Every deployed stage is a process that imports the stage flows first: the gate, mining, the report and
+    curation never need torch, transformers, TRL or atroposlib (19 s of imports on 2 cores, 5 without)."""
+    heavy = ("torch", "transformers", "trl", "atroposlib", "lm_eval", "deepspeed")
+    probe = "import sys, flywheel.flows.stages, flywheel.flows.round_config, flywheel.training.registry as r; "
+    probe += "[r.algorithm(a).config_class() for a in ('sft', 'grpo')]; "
+    probe += f"print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["[]"]
 
 
 class ToyParams(StageParams):
