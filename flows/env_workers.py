@@ -23,7 +23,6 @@ from prefect.states import Cancelling
 from pydantic import BaseModel, Field
 
 from flywheel.data import ArtifactStore
-from flywheel.training.atropos_mode import serve_env_workers
 from flywheel.training.grpo_config import GRPORunConfig
 from flywheel.training.models import resolve_model
 
@@ -43,6 +42,8 @@ class EnvWorkersParams(BaseModel):
 @flow(name="env-workers", flow_run_name="env-workers-{params.config.output_name}")
 def env_workers(params: EnvWorkersParams) -> dict[str, Any]:
     """Run the RL stage's env workers until its policy endpoint goes away; their restarts."""
+    from flywheel.training.atropos_mode import serve_env_workers  # The envs and their rollout machinery.
+
     model_dir = resolve_model(params.config.policy_model, ArtifactStore(params.store_url))
     with tempfile.TemporaryDirectory(prefix="env-workers-") as tmp:
         return serve_env_workers(params.config, model_dir, params.api_url, params.policy_url, Path(tmp))

@@ -20,10 +20,10 @@ from flywheel.flows.stages import POOLS, STAGES
 from flywheel.inference import build_command
 from flywheel.training.config import ConfigError
 from flywheel.training.device import DeviceSettings, resolve_device
-from flywheel.training.grpo import grpo_kwargs
+from flywheel.training.grpo_config import grpo_kwargs
 from flywheel.training.launch import Machines, launch_command
 from flywheel.training.memory import GB, model_shape, serving_memory, summary
-from flywheel.training.sft import sft_kwargs
+from flywheel.training.sft_config import sft_kwargs
 
 RUN_DIR = "logs/run-<stamp>-<name>/checkpoints"
 

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from flywheel.environments.registry import TASK_FAMILIES, categories_of, env_class, task_categories
+from flywheel.environments.registry import ENVIRONMENTS, TASK_FAMILIES, categories_of, env_class, task_categories
 from flywheel.evaluation.agentic import AgenticEvalConfig
 from flywheel.evaluation.curriculum import CurriculumConfig
 from flywheel.evaluation.gate import GateConfig
@@ -375,7 +375,11 @@ class RoundConfig(BaseModel):
             )
 
     def env_categories(self, env: str) -> list[str] | None:
-        """The categories of `env` this round covers (None: all of them, or an env without categories)."""
+        """The categories of `env` this round covers (None: all of them, or an env without categories).
+        A registered env with no categories to pick is not loaded (atroposlib with it) until a stage runs it;
+        a user's env always is, so that a broken one fails here."""
+        if self.categories is None and env in ENVIRONMENTS:
+            return None
         return categories_of(env_class(env), self.categories)
 
     def families(self) -> dict[str, tuple[str, ...]]:

@@ -32,7 +32,7 @@ from flywheel.environments.task_stream import weighted_round_robin
 from flywheel.training.checkpoints import StepCheckpoints, finish, model_parents, resume_from, train
 from flywheel.training.config import RunnerConfig
 from flywheel.training.distributed import training_arguments
-from flywheel.training.grpo_config import GRPORunConfig
+from flywheel.training.grpo_config import GRPORunConfig, grpo_kwargs
 from flywheel.training.models import resolve_model
 from flywheel.training.rollouts import Outcome, PolicyServer, Task, agent_rollout_func, prompt_key, run_rollouts
 from flywheel.training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
@@ -110,26 +110,6 @@ def grpo_args(cfg: GRPORunConfig, output_dir: str) -> Any:
     from trl import GRPOConfig
 
     return training_arguments(GRPOConfig, grpo_kwargs(cfg, output_dir))
-
-
-def grpo_kwargs(cfg: GRPORunConfig, output_dir: str) -> dict[str, Any]:
-    """`GRPOConfig` fields for the run's device (pure, so the CUDA settings are checked on CPU machines)."""
-    args: dict[str, Any] = {
-        **cfg.trainer_kwargs(output_dir),
-        "num_generations": cfg.num_rollouts_per_task,
-        "max_completion_length": cfg.max_completion_length,
-        "beta": cfg.kl_beta,
-        "scale_rewards": "group",
-        "temperature": cfg.temperature,
-        "top_k": cfg.sampling_top_k(cfg.vllm()),
-    }
-    if cfg.vllm():
-        args.update(use_vllm=True, vllm_mode=cfg.vllm_mode)
-        if cfg.rl_mode == "atropos":
-            # A group up to max_async_level steps old and thousands of tokens long: TRL's default sequence-level
-            # mask would drop it whole for a drift that per-token truncation (TIS) corrects.
-            args["vllm_importance_sampling_mode"] = "token_truncate"
-    return args
 
 
 def generation_problem(cfg: GRPORunConfig, num_processes: int) -> str | None:

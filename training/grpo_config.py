@@ -3,7 +3,7 @@ CLI read it without importing transformers, TRL or the environments' rollout mac
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -74,3 +74,23 @@ class GRPORunConfig(RunnerConfig):
     def vllm(self) -> bool:
         """Whether generation runs on vLLM: as set, else wherever the run is on CUDA."""
         return self.use_vllm if self.use_vllm is not None else self.settings().device == "cuda"
+
+
+def grpo_kwargs(cfg: GRPORunConfig, output_dir: str) -> dict[str, Any]:
+    """`GRPOConfig` fields for the run's device (pure, so the CUDA settings are checked on CPU machines)."""
+    args: dict[str, Any] = {
+        **cfg.trainer_kwargs(output_dir),
+        "num_generations": cfg.num_rollouts_per_task,
+        "max_completion_length": cfg.max_completion_length,
+        "beta": cfg.kl_beta,
+        "scale_rewards": "group",
+        "temperature": cfg.temperature,
+        "top_k": cfg.sampling_top_k(cfg.vllm()),
+    }
+    if cfg.vllm():
+        args.update(use_vllm=True, vllm_mode=cfg.vllm_mode)
+        if cfg.rl_mode == "atropos":
+            # A group up to max_async_level steps old and thousands of tokens long: TRL's default sequence-level
+            # mask would drop it whole for a drift that per-token truncation (TIS) corrects.
+            args["vllm_importance_sampling_mode"] = "token_truncate"
+    return args

@@ -25,7 +25,7 @@ from flywheel.training.distributed import training_arguments
 from flywheel.training.models import TRAINING_TEMPLATE_FILE, resolve_model
 from flywheel.training.run_logs import MetricsCallback, NonFiniteGuard, RunDir
 from flywheel.training.schedule import warming_up_from_the_first_step
-from flywheel.training.sft_config import SFTRunConfig
+from flywheel.training.sft_config import SFTRunConfig, sft_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -103,22 +103,6 @@ def trainer_args(cfg: SFTRunConfig, output_dir: Path) -> Any:
     from trl import SFTConfig
 
     return training_arguments(SFTConfig, sft_kwargs(cfg, output_dir))
-
-
-def sft_kwargs(cfg: SFTRunConfig, output_dir: Path | str) -> dict[str, Any]:
-    """`SFTConfig` fields for the run's device (pure: `flywheel plan` shows them without a GPU)."""
-    settings = cfg.settings()
-    kwargs: dict[str, Any] = {
-        **cfg.trainer_kwargs(output_dir),
-        "max_length": cfg.max_length,
-        # Assistant-only loss comes from our `assistant_masks` column (TRL turns it into labels); TRL's own
-        # flag is for untokenised conversational datasets.
-        "assistant_only_loss": False,
-        "dataloader_num_workers": 0,
-    }
-    if settings.device == "cuda":
-        kwargs["packing"] = True
-    return kwargs
 
 
 def run_sft(cfg: SFTRunConfig, store: ArtifactStore, callbacks: list[Any] | None = None) -> Manifest:

@@ -3,7 +3,8 @@ read it without importing transformers or TRL."""
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -24,3 +25,19 @@ class SFTRunConfig(TrainConfig):
         description="A longer example: left out (a cut multi-turn conversation never shows its answer), or cut.",
     )
     output_name: str = Field(default="sft", description="Name of the checkpoint artifact.")
+
+
+def sft_kwargs(cfg: SFTRunConfig, output_dir: Path | str) -> dict[str, Any]:
+    """`SFTConfig` fields for the run's device (pure: `flywheel plan` shows them without a GPU)."""
+    settings = cfg.settings()
+    kwargs: dict[str, Any] = {
+        **cfg.trainer_kwargs(output_dir),
+        "max_length": cfg.max_length,
+        # Assistant-only loss comes from our `assistant_masks` column (TRL turns it into labels); TRL's own
+        # flag is for untokenised conversational datasets.
+        "assistant_only_loss": False,
+        "dataloader_num_workers": 0,
+    }
+    if settings.device == "cuda":
+        kwargs["packing"] = True
+    return kwargs

@@ -24,11 +24,13 @@ def test_a_stage_its_flow_and_its_work_share_one_name() -> None:
         assert stage.deployment == f"{name}/stage"
 
 
-def test_a_stage_process_and_a_round_config_load_no_trainer_or_env_library() -> None:
-    """Every deployed stage is a process that imports the stage flows first: the gate, mining, the report and
-    curation never need torch, transformers, TRL or atroposlib (19 s of imports on 2 cores, 5 without)."""
+def test_a_stage_process_its_round_config_and_the_plan_load_no_trainer_or_env_library() -> None:
+    """Every deployed stage is a process that imports the stage flows and validates its round config first: the
+    gate, the report and curation never need torch, transformers, TRL or atroposlib (19 s of imports on 2
+    cores, 5 without), nor does `flywheel plan`."""
     heavy = ("torch", "transformers", "trl", "atroposlib", "lm_eval", "deepspeed")
-    probe = "import sys, flywheel.flows.stages, flywheel.flows.round_config, flywheel.training.registry as r; "
+    probe = "import sys, flywheel.flows.stages, flywheel.flows.plan, flywheel.training.registry as r; "
+    probe += "from flywheel.flows.round_config import load_round_config; load_round_config('default'); "
     probe += "[r.algorithm(a).config_class() for a in ('sft', 'grpo')]; "
     probe += f"print(sorted(m for m in {heavy!r} if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
