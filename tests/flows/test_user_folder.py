@@ -1,7 +1,7 @@
 """The CLI from a user's project folder: one that holds `data/`, `evaluation/`, `training/`, `flows/`,
 `environments/`, `inference/` and a `data.py` (names any ML project may have) shadows none of our
 packages, nor is shadowed by ours (the user's env file imports their own `training`), and a round
-described by the user's own YAML (their env file, their lm-eval tasks, the tiny model on the `quick`
+described by the user's own YAML (their env file, their lm-eval tasks, the tiny model on the `tiny`
 profile) runs there."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tests.flows.test_cli import FLYWHEEL
 
 SHADOWS = ("data", "evaluation", "training", "flows", "environments", "inference")
 ROUND = """\
-# My round: the quick profile on my env and my benchmark.
+# My round: the tiny profile on my env and my benchmark.
 model: tiny
 envs: [my_env.py]
 lm_eval:
@@ -74,11 +74,11 @@ def test_the_cli_runs_from_a_folder_with_our_package_names(
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     assert "my_echo" in json.loads(evaluated.stdout)["lm_eval"]["results"]
 
-    shown = in_folder(user_folder, "round", "--profile", "quick", "--config", "my_round.yaml", "--show-config", env=env)
+    shown = in_folder(user_folder, "round", "--profile", "tiny", "--config", "my_round.yaml", "--show-config", env=env)
     assert shown.returncode == 0, shown.stderr
-    assert f"envs: [{user_folder / 'my_env.py'}]" in shown.stdout and "groups: 8" in shown.stdout
+    assert f"envs: [{user_folder / 'my_env.py'}]" in shown.stdout and "groups: 4" in shown.stdout
 
-    ran = in_folder(user_folder, "--store", store, "round", "--profile", "quick", "--config", "my_round.yaml", env=env)
+    ran = in_folder(user_folder, "--store", store, "round", "--profile", "tiny", "--config", "my_round.yaml", env=env)
     assert ran.returncode == 0, ran.stderr[-3000:]
     # The console shows the round: a line a stage, the results table, the report and the full log's paths.
     printed = [line for line in (ran.stdout + ran.stderr).splitlines() if line.strip()]
