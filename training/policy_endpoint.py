@@ -53,7 +53,6 @@ class PolicyEndpoint:
         server: PolicyServer,
         vocab_size: int,
         host: str = "127.0.0.1",
-        max_prompt_len: int | None = None,
         engine_load: Callable[[], None] | None = None,
         step: Callable[[], int] = lambda: 0,
     ) -> None:
@@ -61,7 +60,6 @@ class PolicyEndpoint:
         `load_into_engine` wraps, stamping `step()` as the version; None: `sync` loads a copy."""
         self.server = server
         self.vocab_size = vocab_size
-        self.max_prompt_len = max_prompt_len  # vLLM fails a whole batch for one prompt over its context.
         self.engine_load = engine_load
         self.step = step
         self.version = 0
@@ -86,7 +84,7 @@ class PolicyEndpoint:
         server = PolicyServer(
             lambda: generator, tokenizer, top_k, max_new_tokens, prefix_sharing=False, context=context
         )
-        return cls(server, int(generator.config.vocab_size), host, max_prompt_len=context and context - 1)
+        return cls(server, int(generator.config.vocab_size), host)
 
     @classmethod
     def on_vllm(cls, trainer: Any, max_new_tokens: int, host: str = "127.0.0.1") -> PolicyEndpoint:
@@ -96,7 +94,7 @@ class PolicyEndpoint:
             raise ValueError("rl_mode=atropos keeps the engine awake while training: turn vLLM's sleep mode off")
         server = PolicyServer.of_trainer(trainer, max_new_tokens)
         vocab_size = int(trainer.accelerator.unwrap_model(trainer.model).config.vocab_size)
-        endpoint = cls(server, vocab_size, host, max_prompt_len=server.context - 1, engine_load=generation.sync_weights,
+        endpoint = cls(server, vocab_size, host, engine_load=generation.sync_weights,
                        step=lambda: trainer.state.global_step)  # fmt: skip
         generation.sync_weights = endpoint.load_into_engine  # TRL calls it from the training loop.
         return endpoint
@@ -189,9 +187,10 @@ class PolicyEndpoint:
             # One bad id would fail the generation step every request in flight shares.
             return web.json_response({"error": "bad request: empty prompt, an id outside the vocabulary, "
                                       "max_tokens < 1 or a negative temperature"}, status=400)  # fmt: skip
-        if self.max_prompt_len is not None and len(prompt_ids) > self.max_prompt_len:  # The worker's `ContextFull`.
+        context = self.server.context  # vLLM fails a whole batch for one prompt over its context.
+        if context is not None and len(prompt_ids) >= context:  # The worker's `ContextFull`.
             return web.json_response({"error": f"a prompt of {len(prompt_ids)} tokens, over the engine's "
-                                      f"{self.max_prompt_len}"}, status=413)  # fmt: skip
+                                      f"{context - 1}"}, status=413)  # fmt: skip
         new, logprobs = await self.server.generate(prompt_ids, temperature, max_new, seed)
         self.served += 1
         logprobs = logprobs_to_json(logprobs) if logprobs is not None else None

@@ -144,7 +144,7 @@ def test_the_endpoint_serves_the_synced_weights_with_their_version(tiny_model: P
         assert asyncio.run(twice())[0] == after  # The generation loop still serves.
         with pytest.raises(TypeError, match="loaded by sync"):
             endpoint.load_into_engine()  # A copy has no engine load to follow.
-        endpoint.max_prompt_len = 3  # As an engine with a 4-token context: no room for one more.
+        endpoint.server.context = 4  # As an engine with a 4-token context: no room for one more.
         refused = httpx.post(f"{endpoint.url}/generate", json={"prompt_ids": [1, 2, 3, 4], "max_tokens": 4,
                                                                "temperature": 1, "seed": 1})  # fmt: skip
         assert refused.status_code == 413 and "a prompt of 4 tokens, over the engine's 3" in refused.json()["error"]
