@@ -2,6 +2,7 @@
 
 Run: .venv/bin/python benchmarks/rl_gain.py [--store DIR] [--sft REF] [--rl REF] [--profile default]
      [--rl-steps 6] [--env web_navigation] [--categories a,b] [--difficulty easy] [--eval-size 10]
+     [--figure docs/rl_gain.png] [rl.learning_rate=5e-5 ...]   (round-config overrides, as `flywheel round`)
 
 Without `--sft`, the profile's generate -> curate -> SFT makes the checkpoint first. GRPO runs the
 round's own `rl` stage (the env's agent loop, task screening as the profile sets it) for
@@ -10,7 +11,9 @@ round's `checkpoint/rl-r1` with `--sft checkpoint/sft-r1`). Both models are eval
 round's own `evaluate` stage on the same held-out items of the slices GRPO drew from. Prints
 success per slice for both, which slices screening kept (learnable: the SFT policy solved some
 of a group, not all), the gain on those slices and overall, and GRPO's own signal (reward per
-step, the share of zero-variance groups). Goal: >= 10 points on the learnable slices.
+step, the share of zero-variance groups). Goal: >= 10 points on the learnable slices. `--figure`
+draws GRPO's curve: the mean reward of each step's groups, its running mean, and the KL to the
+reference, titled with the held-out success of both models.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def main() -> None:
     parser.add_argument("--categories", default=None, help="comma-separated (default: the profile's)")
     parser.add_argument("--difficulty", default=None)
     parser.add_argument("--eval-size", type=int, default=None)
+    parser.add_argument("--figure", default=None, help="write the reward-per-step curve to this PNG")
+    parser.add_argument("overrides", nargs="*", help="round-config overrides, key=value (applied last)")
     args = parser.parse_args()
     fields = {
         "envs": args.env and [args.env],
@@ -45,6 +50,7 @@ def main() -> None:
     }
     changes = [f"rl.total_steps={args.rl_steps}"]
     changes += [f"{field}={json.dumps(value)}" for field, value in fields.items() if value is not None]
+    changes += args.overrides
     p = load_round_config(args.profile, overrides=changes)
     store = ArtifactStore(args.store)
     common: dict[str, Any] = {"store_url": store.root_url, "round_no": 90, "config": p}
@@ -63,14 +69,49 @@ def main() -> None:
         rl = work.rl(work.RLParams(**common, policy=sft_id))
     sft_eval = work.evaluate(work.EvaluateParams(**common, model=sft_id, name="rl-gain-sft"))
     rl_eval = work.evaluate(work.EvaluateParams(**common, model=rl.id, name="rl-gain-grpo"))
-    report(store, sft_id, rl, sft_eval, rl_eval, f"profile {args.profile}, {p.envs} {p.categories or 'all'}")
+    title = f"{', '.join(p.envs)} {'/'.join(p.categories or ['all'])} {p.difficulty or ''}".strip()
+    success = report(store, sft_id, rl, sft_eval, rl_eval, f"profile {args.profile}, {title}")
+    if args.figure:
+        figure = reward_figure(grpo_steps(store, rl), f"GRPO on {title}\nheld-out, learnable slices: {success}")
+        figure.savefig(args.figure, dpi=100)
+        print(f"figure: {args.figure}")
 
 
-def report(store: ArtifactStore, sft_id: str, rl: Any, sft_eval: Any, rl_eval: Any, title: str) -> None:
-    """Per-slice success of both models, the gain on the slices screening kept, and GRPO's signal."""
+def grpo_steps(store: ArtifactStore, rl: Any) -> list[dict[str, Any]]:
+    """The GRPO run's logged training steps (its metrics.jsonl, without the closing summary line)."""
     run = store.manifest(f"run/{rl.name}")
-    steps = [json.loads(line) for line in store.read_bytes(run.id, "metrics.jsonl").decode().splitlines()]
-    steps = [s for s in steps if "reward" in s]
+    lines = store.read_bytes(run.id, "metrics.jsonl").decode().splitlines()
+    return [step for step in map(json.loads, lines) if "reward" in step]
+
+
+def reward_figure(steps: list[dict[str, Any]], title: str, window: int = 4) -> Any:
+    """Mean group reward per step (dots), its running mean over `window` steps, and KL (right axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [step["step"] for step in steps]
+    reward = [step["reward"] for step in steps]
+    running = [sum(reward[max(0, i + 1 - window) : i + 1]) / min(window, i + 1) for i in range(len(reward))]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    ax.plot(x, reward, "o", color="#4477aa", alpha=0.5, label="mean reward of the step's groups")
+    ax.plot(x, running, "-", color="#4477aa", label=f"running mean ({window} steps)")
+    ax.set(xlabel="GRPO step", ylabel="reward", ylim=(-0.02, 1.02), title=title)
+    kl = ax.twinx()
+    kl.plot(x, [step.get("kl", 0.0) for step in steps], "--", color="#cc6677", label="KL to the reference")
+    kl.set_ylabel("KL", color="#cc6677")
+    handles = ax.get_legend_handles_labels()[0] + kl.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, fontsize="small", frameon=False)
+    ax.title.set_fontsize("medium")
+    fig.tight_layout()
+    return fig
+
+
+def report(store: ArtifactStore, sft_id: str, rl: Any, sft_eval: Any, rl_eval: Any, title: str) -> str:
+    """Per-slice success of both models, the gain on the slices screening kept, and GRPO's signal;
+    returns the learnable slices' success, `SFT a -> SFT+GRPO b (n tasks)`."""
+    steps = grpo_steps(store, rl)
     screening = rl.metrics.get("screening") or {}
     screened = screening.get("slices", {})
     learnable = {name for name, s in screened.items() if s["kept"]}
@@ -84,14 +125,17 @@ def report(store: ArtifactStore, sft_id: str, rl: Any, sft_eval: Any, rl_eval: A
         mark = f"{seen['kept']}/{seen['groups']}{' learnable' if name in learnable else ''}" if seen else "-"
         print(f"{name:42} {b.get('n', 0):>4} {b.get('success_rate', 0):>6.2f} {a.get('success_rate', 0):>9.2f} "
               f"{gain:>+6.0f}  {mark}")  # fmt: skip
+    summary: dict[str, str] = {}
     for label, names in (("learnable slices", learnable & set(before)), ("all slices", set(before))):
         sft_rate, rl_rate = _rate(before, names), _rate(after, names)
+        summary[label] = f"SFT {sft_rate:.2f} -> SFT+GRPO {rl_rate:.2f} ({_count(before, names)} tasks)"
         print(f"{label}: SFT {sft_rate:.2f} -> SFT+GRPO {rl_rate:.2f} ({100 * (rl_rate - sft_rate):+.0f} points "
               f"over {_count(before, names)} tasks)")  # fmt: skip
     flat = sum(s.get("frac_reward_zero_std", 0) for s in steps) / max(1, len(steps))
     print(f"GRPO: {len(steps)} steps, reward per step {[round(s['reward'], 3) for s in steps]}, share of "
           f"zero-variance groups {flat:.2f}; screening kept {screening.get('kept')} of {screening.get('screened')} "
           "tasks; goal >= +10 points on learnable slices")  # fmt: skip
+    return summary["learnable slices"]
 
 
 def _count(per_slice: dict[str, Any], names: set[str]) -> int:
