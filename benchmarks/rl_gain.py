@@ -23,6 +23,7 @@ import json
 from typing import Any
 
 from flywheel.data import ArtifactStore
+from flywheel.evaluation.report import pyplot
 from flywheel.flows import work
 from flywheel.flows.round_config import load_round_config, profile_names
 from flywheel.training.models import base_model
@@ -70,9 +71,10 @@ def main() -> None:
     sft_eval = work.evaluate(work.EvaluateParams(**common, model=sft_id, name="rl-gain-sft"))
     rl_eval = work.evaluate(work.EvaluateParams(**common, model=rl.id, name="rl-gain-grpo"))
     title = f"{', '.join(p.envs)} {'/'.join(p.categories or ['all'])} {p.difficulty or ''}".strip()
-    success = report(store, sft_id, rl, sft_eval, rl_eval, f"profile {args.profile}, {title}")
+    steps = grpo_steps(store, rl)
+    success = report(store, sft_id, rl, steps, sft_eval, rl_eval, f"profile {args.profile}, {title}")
     if args.figure:
-        figure = reward_figure(grpo_steps(store, rl), f"GRPO on {title}\nheld-out, learnable slices: {success}")
+        figure = reward_figure(steps, f"GRPO on {title}\nheld-out, learnable slices: {success}")
         figure.savefig(args.figure, dpi=100)
         print(f"figure: {args.figure}")
 
@@ -86,15 +88,10 @@ def grpo_steps(store: ArtifactStore, rl: Any) -> list[dict[str, Any]]:
 
 def reward_figure(steps: list[dict[str, Any]], title: str, window: int = 4) -> Any:
     """Mean group reward per step (dots), its running mean over `window` steps, and KL (right axis)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     x = [step["step"] for step in steps]
     reward = [step["reward"] for step in steps]
     running = [sum(reward[max(0, i + 1 - window) : i + 1]) / min(window, i + 1) for i in range(len(reward))]
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+    fig, ax = pyplot().subplots(figsize=(7, 3.8))
     ax.plot(x, reward, "o", color="#4477aa", alpha=0.5, label="mean reward of the step's groups")
     ax.plot(x, running, "-", color="#4477aa", label=f"running mean ({window} steps)")
     ax.set(xlabel="GRPO step", ylabel="reward", ylim=(-0.02, 1.02), title=title)
@@ -108,10 +105,11 @@ def reward_figure(steps: list[dict[str, Any]], title: str, window: int = 4) -> A
     return fig
 
 
-def report(store: ArtifactStore, sft_id: str, rl: Any, sft_eval: Any, rl_eval: Any, title: str) -> str:
-    """Per-slice success of both models, the gain on the slices screening kept, and GRPO's signal;
-    returns the learnable slices' success, `SFT a -> SFT+GRPO b (n tasks)`."""
-    steps = grpo_steps(store, rl)
+def report(
+    store: ArtifactStore, sft_id: str, rl: Any, steps: list[dict[str, Any]], sft_eval: Any, rl_eval: Any, title: str
+) -> str:
+    """Per-slice success of both models, the gain on the slices screening kept, and GRPO's signal (its
+    logged `steps`); returns the learnable slices' success, `SFT a -> SFT+GRPO b (n tasks)`."""
     screening = rl.metrics.get("screening") or {}
     screened = screening.get("slices", {})
     learnable = {name for name, s in screened.items() if s["kept"]}
@@ -125,17 +123,16 @@ def report(store: ArtifactStore, sft_id: str, rl: Any, sft_eval: Any, rl_eval: A
         mark = f"{seen['kept']}/{seen['groups']}{' learnable' if name in learnable else ''}" if seen else "-"
         print(f"{name:42} {b.get('n', 0):>4} {b.get('success_rate', 0):>6.2f} {a.get('success_rate', 0):>9.2f} "
               f"{gain:>+6.0f}  {mark}")  # fmt: skip
-    summary: dict[str, str] = {}
     for label, names in (("learnable slices", learnable & set(before)), ("all slices", set(before))):
-        sft_rate, rl_rate = _rate(before, names), _rate(after, names)
-        summary[label] = f"SFT {sft_rate:.2f} -> SFT+GRPO {rl_rate:.2f} ({_count(before, names)} tasks)"
+        sft_rate, rl_rate, tasks = _rate(before, names), _rate(after, names), _count(before, names)
         print(f"{label}: SFT {sft_rate:.2f} -> SFT+GRPO {rl_rate:.2f} ({100 * (rl_rate - sft_rate):+.0f} points "
-              f"over {_count(before, names)} tasks)")  # fmt: skip
+              f"over {tasks} tasks)")  # fmt: skip
     flat = sum(s.get("frac_reward_zero_std", 0) for s in steps) / max(1, len(steps))
     print(f"GRPO: {len(steps)} steps, reward per step {[round(s['reward'], 3) for s in steps]}, share of "
           f"zero-variance groups {flat:.2f}; screening kept {screening.get('kept')} of {screening.get('screened')} "
           "tasks; goal >= +10 points on learnable slices")  # fmt: skip
-    return summary["learnable slices"]
+    names = learnable & set(before)
+    return f"SFT {_rate(before, names):.2f} -> SFT+GRPO {_rate(after, names):.2f} ({_count(before, names)} tasks)"
 
 
 def _count(per_slice: dict[str, Any], names: set[str]) -> int:

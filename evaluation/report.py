@@ -28,7 +28,7 @@ _STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "
 def success_figure(per_round: dict[int, dict[str, float]]) -> Any:
     """Held-out success per env across rounds: integer round ticks, one marker and line style an env,
     envs at equal values side by side (dodged) rather than on top of each other."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 3.5))
     rounds = sorted(per_round)
     envs = sorted({env for rates in per_round.values() for env in rates})
@@ -51,7 +51,7 @@ def heatmap_figure(slices: dict[int, dict[str, float]], classes: dict[int, dict[
     """Success per env/category (rows) x difficulty (columns), one panel a round; each cell marked with the
     curriculum class the round's mining gave the slice (U unsolved: taught, L learnable, M mastered,
     - locked), so what was taught, learnt and unlocked reads across the panels."""
-    plt = _pyplot()
+    plt = pyplot()
     rounds = sorted(slices) or [0]
     keys = sorted({key for per in slices.values() for key in per} | {k for per in classes.values() for k in per})
     rows = sorted({key.rsplit("/", 1)[0] for key in keys}) or ["(no held-out items)"]
@@ -74,7 +74,7 @@ def heatmap_figure(slices: dict[int, dict[str, float]], classes: dict[int, dict[
 
 def weakest_figure(slices: list[dict[str, Any]]) -> Any:
     """The weakest slices: each point estimate with its 95 % Wilson interval, flagged ones in red."""
-    plt = _pyplot()
+    plt = pyplot()
     worst = slices[:10][::-1]
     fig, ax = plt.subplots(figsize=(7, 0.4 * max(3, len(worst)) + 1))
     for y, s in enumerate(worst):
@@ -92,7 +92,7 @@ def weakest_figure(slices: list[dict[str, Any]]) -> Any:
 
 def reward_figure(rewards: list[float]) -> Any:
     """The reward distribution of the round's evaluation and rollouts."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.hist(rewards, bins=[i / 10 for i in range(11)], color="#4477aa", edgecolor="white")
     ax.set(xlabel="reward", ylabel="rollouts", title=f"Reward distribution ({len(rewards)} rollouts)")
@@ -100,7 +100,8 @@ def reward_figure(rewards: list[float]) -> Any:
     return fig
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend: figures are files, never windows (no display here)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,7 +112,7 @@ def _pyplot() -> Any:
 
 def _save(out: Path, figures: dict[str, Any]) -> list[str]:
     """Each figure as `<name>.png` in `out` (closed after); the file names."""
-    plt = _pyplot()
+    plt = pyplot()
     for name, fig in figures.items():
         fig.savefig(out / f"{name}.png", dpi=100)
         plt.close(fig)
